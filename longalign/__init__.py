@@ -1,0 +1,1 @@
+"""longalign: long-context supervised fine-tuning."""

@@ -1,0 +1,1 @@
+"""Model patches: route packed cu_seqlens to varlen attention."""
