@@ -1,0 +1,482 @@
+"""Pre-tokenization: chat records -> ``input_ids`` and assistant-only ``labels`` with the tokenizer's template.
+
+One JSONL line becomes one sample row::
+
+    {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}
+
+    rendered   <|begin_of_text|><|start_header_id|>user<|end_header_id|>\\n\\nHi<|eot_id|>
+               <|start_header_id|>assistant<|end_header_id|>\\n\\nHello!<|eot_id|>
+    labels     -100 ... -100 (system, user turns, headers)          Hello ! <|eot_id|>
+
+Labels are not shifted (the loss shifts) and include the token that ends each assistant turn, so the model
+learns to stop. Two ways to find the assistant tokens, both on the exact tokenization of the full rendering:
+
+- templates with ``{% generation %}`` markers: the template says which characters are generated;
+- templates without them (most official ones): render growing prefixes of the conversation; the text
+  between "history + generation prompt" and "history + this assistant message" is the assistant turn.
+  A turn that ends without a control token (GLM-4 style) gets the next control token, or EOS at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+
+from longalign.artifacts import atomic_output_dir, write_report
+
+TRUNCATIONS = ("right", "left", "drop")
+# Every reason a line can be dropped for. All but "over_length" are bad input (``strict`` stops at them).
+DROP_REASONS = (
+    "empty_line",
+    "malformed_json",
+    "unknown_format",
+    "bad_message",
+    "bad_role",
+    "empty_assistant",
+    "no_targets",
+    "template_error",
+    "over_length",
+)
+BAD_INPUT = DROP_REASONS[:-1]
+ROLES = ("system", "user", "assistant")
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+}
+IGNORE_INDEX = -100
+MAX_REPORTED_ERRORS = 20
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+class RecordError(ValueError):
+    """A record that cannot become a sample; ``reason`` is one of ``DROP_REASONS``."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class TemplateError(ValueError):
+    """A chat template that cannot be split into prompt and assistant parts."""
+
+
+class InputError(ValueError):
+    """An input file that cannot be read at all (missing, empty, not UTF-8)."""
+
+
+def parse_record(record: Any) -> list[dict[str, str]]:
+    """Normalise one record to ``[{"role": ..., "content": ...}, ...]``.
+
+    Accepts ``messages`` (role/content), ShareGPT ``conversations`` (from/value: human/gpt/system) and
+    ``prompt`` + ``response``/``completion`` (with an optional ``system``).
+    """
+    if not isinstance(record, dict):
+        raise RecordError("unknown_format", f"expected a JSON object, got {type(record).__name__}")
+    if "messages" in record:
+        messages = [
+            _message(m, i, "role", "content", None) for i, m in enumerate(_as_list(record, "messages"))
+        ]
+    elif "conversations" in record:
+        messages = [
+            _message(m, i, "from", "value", SHAREGPT_ROLES)
+            for i, m in enumerate(_as_list(record, "conversations"))
+        ]
+    elif "prompt" in record and ("response" in record or "completion" in record):
+        answer_key = "response" if "response" in record else "completion"
+        messages = [{"role": "user", "content": _text(record["prompt"], "prompt")}]
+        messages.append({"role": "assistant", "content": _text(record[answer_key], answer_key)})
+        if record.get("system") is not None:
+            messages.insert(0, {"role": "system", "content": _text(record["system"], "system")})
+    else:
+        keys = ", ".join(sorted(record)) or "none"
+        raise RecordError(
+            "unknown_format",
+            f"no 'messages', 'conversations' or 'prompt'+'response'/'completion' key (keys: {keys})",
+        )
+    if not any(m["role"] == "assistant" for m in messages):
+        raise RecordError("no_targets", "no assistant message, so nothing to learn")
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant" and not m["content"].strip():
+            raise RecordError("empty_assistant", f"message {i}: assistant content is empty")
+    return messages
+
+
+def _as_list(record: dict, key: str) -> list:
+    value = record[key]
+    if not isinstance(value, list) or not value:
+        raise RecordError("bad_message", f"'{key}' must be a non-empty list, got {type(value).__name__}")
+    return value
+
+
+def _message(item: Any, index: int, role_key: str, content_key: str, aliases: dict | None) -> dict[str, str]:
+    if not isinstance(item, dict) or role_key not in item or content_key not in item:
+        raise RecordError(
+            "bad_message", f"message {index}: expected an object with '{role_key}' and '{content_key}'"
+        )
+    role = item[role_key]
+    allowed = aliases if aliases is not None else {r: r for r in ROLES}
+    if role not in allowed:
+        expected = "/".join(allowed)
+        raise RecordError("bad_role", f"message {index} has role {role!r}, expected one of {expected}")
+    return {"role": allowed[role], "content": _text(item[content_key], f"message {index} {content_key}")}
+
+
+def _text(value: Any, where: str) -> str:
+    """A message's text; OpenAI-style lists of ``{"type": "text", "text": ...}`` parts are joined."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in value):
+        return "".join(str(p.get("text", "")) for p in value)
+    raise RecordError("bad_message", f"{where}: expected text, got {type(value).__name__}")
+
+
+def has_generation_markers(tokenizer) -> bool:
+    """Whether the tokenizer's chat template marks assistant text with ``{% generation %}``."""
+    return bool(tokenizer.chat_template and _GENERATION_TAG.search(tokenizer.chat_template))
+
+
+def tokenize_conversation(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+    """Tokenize one conversation with the chat template; return ``(input_ids, labels)``, labels not shifted.
+
+    Raises ``TemplateError`` when the template's renderings of growing prefixes do not extend each other.
+    """
+    if has_generation_markers(tokenizer):
+        out = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        input_ids = list(out["input_ids"])
+        is_target = [bool(m) for m in out["assistant_masks"]]
+    else:
+        text, spans = _assistant_spans(tokenizer, messages)
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        input_ids = list(enc["input_ids"])
+        is_target = _targets_from_spans(enc["offset_mapping"], spans)
+        _close_turns(tokenizer, input_ids, is_target)
+    labels = [t if m else IGNORE_INDEX for t, m in zip(input_ids, is_target, strict=True)]
+    return input_ids, labels
+
+
+def _render(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+
+
+def _assistant_spans(tokenizer, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
+    """The full rendering and the character span of every assistant turn in it."""
+    full = _render(tokenizer, messages)
+    spans = []
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prompt = _render(tokenizer, messages[:k], add_generation_prompt=True)
+        upto = _render(tokenizer, messages[: k + 1])
+        if not (upto.startswith(prompt) and full.startswith(upto)):
+            raise TemplateError(
+                f"chat template cannot be split at message {k}: rendering the conversation up to an assistant "
+                "turn does not extend the rendering before it (the template rewrites earlier turns); "
+                "use a template with {% generation %} markers (--chat-template)"
+            )
+        if len(upto) == len(prompt):
+            raise TemplateError(f"chat template renders assistant message {k} as nothing")
+        spans.append((len(prompt), len(upto)))
+    return full, spans
+
+
+def _targets_from_spans(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[bool]:
+    """Mark tokens whose first character lies in a span (a token merged across a boundary stays prompt)."""
+    is_target = [False] * len(offsets)
+    span = 0
+    for i, (start, _end) in enumerate(offsets):
+        while span < len(spans) and start >= spans[span][1]:
+            span += 1
+        if span == len(spans):
+            break
+        is_target[i] = start >= spans[span][0]
+    return is_target
+
+
+def _control_ids(tokenizer) -> set[int]:
+    return {i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special}
+
+
+def _close_turns(tokenizer, input_ids: list[int], is_target: list[bool]) -> None:
+    """Make every assistant turn end with exactly one target control token.
+
+    ``...answer<|eot_id|>`` keeps its end token; ``...answer<|im_end|>\\n`` drops the text after the end
+    token from the targets; ``...answer`` followed by ``<|user|>`` (GLM-4) takes that token as its end, or
+    EOS (appended) when the conversation ends there.
+    """
+    control = _control_ids(tokenizer)
+    n = len(input_ids)
+    i = 0
+    while i < n:
+        if not is_target[i]:
+            i += 1
+            continue
+        end = i
+        while end < n and is_target[end]:
+            end += 1
+        last_control = max((j for j in range(i, end) if input_ids[j] in control), default=None)
+        if last_control is not None:
+            for j in range(last_control + 1, end):
+                is_target[j] = False
+        elif end < n and input_ids[end] in control:
+            is_target[end] = True
+            end += 1
+        elif end == n and tokenizer.eos_token_id is not None:
+            input_ids.append(tokenizer.eos_token_id)
+            is_target.append(True)
+            n += 1
+            end = n
+        else:
+            raise TemplateError(
+                "an assistant turn ends without a control token and no control token or EOS follows it, "
+                "so the model could never learn to stop"
+            )
+        i = end
+
+
+def check_chat_template(tokenizer) -> None:
+    """Check once per tokenizer that its template splits into prompt and assistant parts; raise if not."""
+    if not tokenizer.chat_template:
+        raise TemplateError("the tokenizer has no chat template; pass one with --chat-template FILE")
+    probe = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name a prime."},
+        {"role": "assistant", "content": "Seven."},
+        {"role": "user", "content": "Another?"},
+        {"role": "assistant", "content": "Eleven."},
+    ]
+    try:
+        input_ids, labels = tokenize_conversation(tokenizer, probe)
+    except TemplateError:
+        raise
+    except Exception as err:  # a template that rejects system messages (it raises): probe without one
+        try:
+            input_ids, labels = tokenize_conversation(tokenizer, probe[1:])
+        except Exception:
+            raise TemplateError(f"chat template failed on a plain two-turn conversation: {err}") from err
+    targets = tokenizer.decode([t for t in labels if t != IGNORE_INDEX])
+    for answer in ("Seven.", "Eleven."):
+        if answer not in targets:
+            raise TemplateError(
+                f"chat template check: assistant text {answer!r} is not among the targets {targets!r}"
+            )
+    for question in ("Name a prime.", "Another?"):
+        if question in targets:
+            raise TemplateError(f"chat template check: user text {question!r} ended up among the targets")
+    ends = [
+        t
+        for t, nxt in zip(labels, labels[1:] + [IGNORE_INDEX], strict=True)
+        if t != IGNORE_INDEX and nxt == IGNORE_INDEX
+    ]
+    if any(t not in _control_ids(tokenizer) and t != tokenizer.eos_token_id for t in ends):
+        raise TemplateError(
+            "chat template check: an assistant turn's targets do not end with a control token"
+        )
+
+
+def truncate(
+    input_ids: list[int], labels: list[int], max_seq_len: int, mode: str
+) -> tuple[list[int], list[int]] | None:
+    """Cut a sample to ``max_seq_len`` tokens (``right`` keeps the start, ``left`` the end); ``None`` if dropped.
+
+    A sample that would keep no target token is dropped as well.
+    """
+    if len(input_ids) <= max_seq_len:
+        return input_ids, labels
+    if mode == "drop":
+        return None
+    window = slice(0, max_seq_len) if mode == "right" else slice(len(input_ids) - max_seq_len, None)
+    input_ids, labels = input_ids[window], labels[window]
+    if all(t == IGNORE_INDEX for t in labels):
+        return None
+    return input_ids, labels
+
+
+def process_line(text: str, tokenizer, *, max_seq_len: int, truncation: str) -> dict[str, Any]:
+    """One JSONL line -> a sample, or a drop with its reason and message (never raises for bad input)."""
+    row: dict[str, Any] = {"input_ids": [], "labels": [], "reason": "", "error": "", "truncated": False}
+    try:
+        if not text.strip():
+            raise RecordError("empty_line", "empty line")
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise RecordError("malformed_json", f"not valid JSON: {err}") from None
+        messages = parse_record(record)
+        try:
+            input_ids, labels = tokenize_conversation(tokenizer, messages)
+        except TemplateError:
+            raise
+        except Exception as err:  # the template itself refused the conversation (e.g. roles must alternate)
+            raise RecordError("template_error", f"chat template failed: {err}") from None
+        if all(t == IGNORE_INDEX for t in labels):
+            raise RecordError("no_targets", "no assistant token survives tokenization")
+        cut = truncate(input_ids, labels, max_seq_len, truncation)
+        if cut is None:
+            raise RecordError(
+                "over_length",
+                f"{len(input_ids)} tokens > max_seq_len {max_seq_len}"
+                + (" (truncation leaves no target)" if truncation != "drop" else ""),
+            )
+        row.update(input_ids=cut[0], labels=cut[1], truncated=len(cut[0]) < len(input_ids))
+    except RecordError as err:
+        row.update(reason=err.reason, error=str(err))
+    return row
+
+
+def _tokenize_batch(
+    batch: dict[str, list], *, tokenizer, max_seq_len: int, truncation: str
+) -> dict[str, list]:
+    rows = [process_line(t, tokenizer, max_seq_len=max_seq_len, truncation=truncation) for t in batch["text"]]
+    out = {key: [r[key] for r in rows] for key in ("input_ids", "labels", "reason", "error", "truncated")}
+    out["length"] = [len(r["input_ids"]) for r in rows]
+    out["num_targets"] = [sum(t != IGNORE_INDEX for t in r["labels"]) for r in rows]
+    out["line"] = batch["line"]
+    return out
+
+
+def read_lines(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
+    """Yield ``{"line": n, "text": ...}`` for every line of a UTF-8 file (1-based line numbers)."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise InputError(
+                    f"{path}: line {number}: not valid UTF-8 ({err.reason} at byte {err.start})"
+                ) from None
+            yield {"line": number, "text": text.rstrip("\r\n")}
+
+
+SAMPLE_FEATURES = datasets.Features(
+    {
+        "input_ids": datasets.List(datasets.Value("int32")),
+        "labels": datasets.List(datasets.Value("int32")),
+        "length": datasets.Value("int32"),
+        "num_targets": datasets.Value("int32"),
+        "line": datasets.Value("int64"),
+    }
+)
+
+# While mapping, every line keeps a row; dropped ones carry their reason and message.
+_MAPPED_FEATURES = datasets.Features(
+    {
+        **SAMPLE_FEATURES,
+        "reason": datasets.Value("string"),
+        "error": datasets.Value("string"),
+        "truncated": datasets.Value("bool"),
+    }
+)
+
+
+def pre_tokenize(
+    input_path: str | os.PathLike,
+    tokenizer,
+    output_dir: str | os.PathLike,
+    *,
+    max_seq_len: int,
+    truncation: str = "right",
+    num_proc: int = 1,
+    strict: bool = False,
+) -> dict[str, Any]:
+    """Tokenize a chat JSONL file into a sample dataset at ``output_dir``; return the report.
+
+    Bad lines are skipped and counted by reason (``strict`` raises at the first one instead). The output
+    directory is replaced only when everything succeeded.
+    """
+    if truncation not in TRUNCATIONS:
+        raise ValueError(f"truncation must be one of {', '.join(TRUNCATIONS)}, got {truncation!r}")
+    if max_seq_len < 1:
+        raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
+    input_path = Path(input_path)
+    if not input_path.is_file():
+        raise InputError(f"{input_path}: input file not found")
+    if input_path.stat().st_size == 0:
+        raise InputError(f"{input_path}: input file is empty")
+    check_chat_template(tokenizer)
+    with tempfile.TemporaryDirectory(prefix="longalign-tok-") as cache_dir:
+        try:
+            raw = datasets.Dataset.from_generator(
+                read_lines,
+                gen_kwargs={"path": str(input_path)},
+                cache_dir=cache_dir,
+                features=datasets.Features(
+                    {"line": datasets.Value("int64"), "text": datasets.Value("string")}
+                ),
+            )
+        except datasets.exceptions.DatasetGenerationError as err:
+            if isinstance(err.__cause__, InputError):  # raised by read_lines, wrapped by datasets
+                raise err.__cause__ from None
+            raise
+        mapped = raw.map(
+            _tokenize_batch,
+            fn_kwargs={"tokenizer": tokenizer, "max_seq_len": max_seq_len, "truncation": truncation},
+            batched=True,
+            batch_size=64,
+            num_proc=num_proc if num_proc > 1 else None,
+            remove_columns=["text"],
+            features=_MAPPED_FEATURES,
+            desc="pre-tokenize",
+        )
+        report = _report(mapped, input_path, max_seq_len, truncation)
+        reasons = np.asarray(mapped["reason"])
+        if strict:
+            bad = np.flatnonzero(np.isin(reasons, BAD_INPUT))
+            if bad.size:
+                row = mapped[int(bad[0])]
+                raise RecordError(row["reason"], f"{input_path}: line {row['line']}: {row['error']}")
+        kept = mapped.select(np.flatnonzero(reasons == "")).remove_columns(["reason", "error", "truncated"])
+        with atomic_output_dir(output_dir) as staging:
+            kept.save_to_disk(str(staging))
+            write_report(staging, report)
+    return report
+
+
+def _report(mapped: datasets.Dataset, input_path: Path, max_seq_len: int, truncation: str) -> dict[str, Any]:
+    table = mapped.select_columns(["reason", "truncated", "length", "num_targets", "line", "error"])
+    reasons = np.asarray(table["reason"])
+    kept = reasons == ""
+    lengths = np.asarray(table["length"])[kept]
+    dropped = Counter(reasons[~kept].tolist())
+    bad = np.flatnonzero(~kept)[:MAX_REPORTED_ERRORS]
+    lines, errors = table["line"], table["error"]
+    return {
+        "input": str(input_path),
+        "max_seq_len": max_seq_len,
+        "truncation": truncation,
+        "lines_read": len(reasons),
+        "samples_kept": int(kept.sum()),
+        "dropped": {reason: dropped.get(reason, 0) for reason in DROP_REASONS},
+        "dropped_total": int((~kept).sum()),
+        "truncated": int(np.asarray(table["truncated"])[kept].sum()),
+        "total_tokens": int(lengths.sum()),
+        "target_tokens": int(np.asarray(table["num_targets"])[kept].sum()),
+        "length_percentiles": _percentiles(lengths),
+        "first_errors": [
+            {"line": int(lines[i]), "reason": str(reasons[i]), "message": errors[i]} for i in bad.tolist()
+        ],
+    }
+
+
+def _percentiles(values: np.ndarray) -> dict[str, float]:
+    if values.size == 0:
+        return {}
+    points = {"min": 0, "p10": 10, "p50": 50, "p90": 90, "p99": 99, "max": 100}
+    out = {name: float(np.percentile(values, q)) for name, q in points.items()}
+    out["mean"] = float(values.mean())
+    return out
