@@ -1,0 +1,119 @@
+"""One optimizer step of LongAlignTrainer on a fixed global batch; writes the parameter gradient.
+
+Imported by tests/test_invariance.py, and run under ``accelerate launch`` for the multi-rank case:
+
+    accelerate launch --multi_gpu --num_processes 2 tests/invariance_run.py OUT.pt WEIGHTING SAMPLES_PER_PACK GA
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+
+import datasets
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+import longalign.patch
+from longalign.data import PackCollator
+from longalign.trainer import LongAlignTrainer
+
+VOCAB = 61
+# (length, prompt tokens): the prompt is not a target; the last sample has no target at all.
+SAMPLES = [(9, 3), (4, 1), (17, 5), (6, 2), (12, 11), (3, 1), (14, 4), (5, 5)]
+
+
+def tiny_model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    return longalign.patch.apply(LlamaForCausalLM(config), backend="sdpa_segments")
+
+
+def samples() -> list[tuple[list[int], list[int]]]:
+    generator = torch.Generator().manual_seed(1)
+    out = []
+    for length, prompt in SAMPLES:
+        ids = torch.randint(0, VOCAB, (length,), generator=generator).tolist()
+        out.append((ids, [-100] * prompt + ids[prompt:]))
+    return out
+
+
+def packs(samples_per_pack: int) -> datasets.Dataset:
+    rows = []
+    items = samples()
+    for start in range(0, len(items), samples_per_pack):
+        group = items[start : start + samples_per_pack]
+        seq_lens = [len(ids) for ids, _ in group]
+        rows.append(
+            {
+                "input_ids": [t for ids, _ in group for t in ids],
+                "labels": [t for _, labels in group for t in labels],
+                "cu_seqlens": [sum(seq_lens[:i]) for i in range(len(seq_lens) + 1)],
+                "seq_lens": seq_lens,
+            }
+        )
+    return datasets.Dataset.from_list(rows)
+
+
+class GradientCapture(TrainerCallback):
+    """Keeps a copy of every parameter gradient just before the (single) optimizer step."""
+
+    def __init__(self) -> None:
+        self.grads: dict[str, torch.Tensor] = {}
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+
+
+class StockCollator:
+    """The same varlen batch, minus what the stock Trainer would pass on to the model as unknown keys."""
+
+    def __init__(self) -> None:
+        self.collate = PackCollator(weighting="token_level")
+
+    def __call__(self, rows):
+        batch = self.collate(rows)
+        del batch["loss_weights"]
+        return batch
+
+
+def one_step(weighting: str, samples_per_pack: int, accumulation: int, *, stock: bool = False) -> dict:
+    """Parameter gradients of one optimizer step over all SAMPLES (split as asked across ranks)."""
+    capture = GradientCapture()
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(
+            output_dir=out,
+            per_device_train_batch_size=1,
+            gradient_accumulation_steps=accumulation,
+            max_steps=1,
+            learning_rate=1e-3,
+            max_grad_norm=0.0,
+            use_cpu=True,
+            report_to="none",
+            save_strategy="no",
+            remove_unused_columns=False,
+            disable_tqdm=True,
+        )
+        common = {"model": tiny_model(), "args": args, "train_dataset": packs(samples_per_pack), "callbacks": [capture]}
+        if stock:
+            trainer = Trainer(**common, data_collator=StockCollator())
+        else:
+            trainer = LongAlignTrainer(**common, weighting=weighting, loss_chunk_size=7)
+        trainer.train()
+    return capture.grads
+
+
+if __name__ == "__main__":
+    path, weighting, per_pack, accumulation = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    grads = one_step(weighting, per_pack, accumulation)
+    if int(torch.distributed.get_rank()) == 0:
+        torch.save(grads, path)

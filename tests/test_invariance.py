@@ -1,0 +1,88 @@
+"""The step's gradient does not depend on how samples are split into packs, micro-batches and ranks."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from invariance_run import SAMPLES, one_step
+
+HERE = Path(__file__).resolve().parent
+N = len(SAMPLES)
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def distance(a: dict, b: dict) -> float:
+    """Largest relative difference of any parameter's gradient."""
+    return max(float((a[k] - b[k]).norm() / a[k].norm()) for k in a if a[k].norm() > 0)
+
+
+@pytest.fixture(scope="module", params=["sequence_level", "token_level"])
+def weighting(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def reference(weighting):
+    return one_step(weighting, samples_per_pack=1, accumulation=N)  # one pack per micro-batch
+
+
+def test_all_samples_in_one_pack(weighting, reference):
+    assert_same(one_step(weighting, samples_per_pack=N, accumulation=1), reference)
+
+
+def test_accumulation_of_four(weighting, reference):
+    assert_same(one_step(weighting, samples_per_pack=N // 4, accumulation=4), reference)
+
+
+@pytest.mark.skipif(shutil.which("accelerate") is None and not (Path(sys.executable).parent / "accelerate").exists(),
+                    reason="accelerate launcher not installed")
+def test_two_ranks_times_accumulation_two(weighting, reference, tmp_path):
+    out = tmp_path / "grads.pt"
+    launcher = Path(sys.executable).parent / "accelerate"
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "PYTHONPATH": str(HERE), "OMP_NUM_THREADS": "1"}
+    cmd = [str(launcher), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
+           str(HERE / "invariance_run.py"), str(out), weighting, str(N // 4), "2"]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same(torch.load(out), reference)
+
+
+def test_stock_trainer_is_token_level_not_sequence_level():
+    """HF's own loss (token mean over the accumulated step) matches token_level and misses sequence_level."""
+    stock = one_step("token_level", samples_per_pack=1, accumulation=N, stock=True)
+    assert_same(stock, one_step("token_level", samples_per_pack=1, accumulation=N))
+    assert distance(stock, one_step("sequence_level", samples_per_pack=1, accumulation=N)) > 0.05
+
+
+def test_step_gradient_is_the_gradient_of_the_defined_loss(weighting, reference):
+    """Each sample alone, full logits, the DESIGN.md formula: the trainer's step gradient is its gradient."""
+    from invariance_run import samples, tiny_model
+
+    model = tiny_model()
+    per_sample = []
+    for ids, labels in samples():
+        logits = model(input_ids=torch.tensor([ids])).logits[0]
+        targets = torch.tensor(labels[1:])
+        ce = torch.nn.functional.cross_entropy(logits[:-1], targets, ignore_index=-100, reduction="none")
+        n = int((targets != -100).sum())
+        if n:
+            per_sample.append((ce.sum(), n))
+    if weighting == "token_level":
+        loss = sum(s for s, _ in per_sample) / sum(n for _, n in per_sample)
+    else:
+        loss = sum(s / n for s, n in per_sample) / len(per_sample)
+    loss.backward()
+    assert_same({name: p.grad for name, p in model.named_parameters()}, reference)
