@@ -50,7 +50,9 @@ def resolve_packs(path: str, cfg: Config, args: TrainingArguments):
     if "cu_seqlens" in dataset.column_names:
         return dataset
     if "length" not in dataset.column_names:
-        raise ConfigError(f"{path}: neither a packed nor a pre-tokenized dataset (columns {dataset.column_names})")
+        raise ConfigError(
+            f"{path}: neither a packed nor a pre-tokenized dataset (columns {dataset.column_names})"
+        )
     packing = cfg.packing
     # packing = false: one sample per row, in shuffled order (a "sorted" batch of one).
     strategy = packing.strategy if packing.packing else "sorted"
@@ -64,7 +66,9 @@ def resolve_packs(path: str, cfg: Config, args: TrainingArguments):
     }
     source = Path(path)
     key = hashlib.sha256(
-        json.dumps([settings, (source / "state.json").read_text(), (source / "report.json").read_text()]).encode()
+        json.dumps(
+            [settings, (source / "state.json").read_text(), (source / "report.json").read_text()]
+        ).encode()
     ).hexdigest()[:12]
     cache_root = Path(cfg.data.packed_cache_dir or Path(args.output_dir) / "packed")
     cache = cache_root / f"{source.resolve().name}-{key}"
@@ -76,7 +80,9 @@ def resolve_packs(path: str, cfg: Config, args: TrainingArguments):
 
 def build_trainer(cfg: Config) -> LongAlignTrainer:
     """Everything ``train.py`` sets up before ``train()``: arguments, tokenizer, model, packs, trainer."""
-    args = TrainingArguments(output_dir=cfg.training.output_dir, remove_unused_columns=False, **cfg.training.args)
+    args = TrainingArguments(
+        output_dir=cfg.training.output_dir, remove_unused_columns=False, **cfg.training.args
+    )
     if not cfg.data.train_file:
         raise ConfigError("data.train_file: set it to a packed or pre-tokenized dataset directory")
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.model_name_or_path)
@@ -99,7 +105,9 @@ def build_trainer(cfg: Config) -> LongAlignTrainer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", type=Path, required=True, help="TOML run file")
     parser.add_argument("overrides", nargs="*", help="section.key=value settings that win over the file")
     cli = parser.parse_args(argv)

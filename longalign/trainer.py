@@ -84,7 +84,9 @@ class PackBatchSampler:
 
     def __iter__(self) -> Iterator[list[tuple[int, bool]]]:
         n = len(self.costs)
-        order = np.random.default_rng([self.seed, self.epoch]).permutation(n) if self.shuffle else np.arange(n)
+        order = (
+            np.random.default_rng([self.seed, self.epoch]).permutation(n) if self.shuffle else np.arange(n)
+        )
         group = self.packs_per_batch * self.num_replicas
         for start in range(0, n, group):
             yield self._deal(order[start : start + group])[self.rank]
@@ -149,7 +151,13 @@ def loss_in_lm_head(model: torch.nn.Module, batch: dict[str, Any], *, chunk_size
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         total = weighted_token_loss(
-            hidden, self.weight, labels, weights, lm_head_bias=self.bias, chunk_size=chunk_size, ignore_index=ignore_index
+            hidden,
+            self.weight,
+            labels,
+            weights,
+            lm_head_bias=self.bias,
+            chunk_size=chunk_size,
+            ignore_index=ignore_index,
         )
         return total.reshape(1, 1, 1)
 
@@ -268,7 +276,9 @@ class LongAlignTrainer(Trainer):
             dtype=torch.float64,
             device=device,
         )
-        totals = self.accelerator.reduce(local, reduction="sum") if self.accelerator.num_processes > 1 else local
+        totals = (
+            self.accelerator.reduce(local, reduction="sum") if self.accelerator.num_processes > 1 else local
+        )
         denominator, tokens, samples, packs = totals.tolist()
         self._window["tokens"] += tokens
         self._window["samples"] += samples
@@ -277,7 +287,9 @@ class LongAlignTrainer(Trainer):
         return batches, torch.tensor(denominator, dtype=torch.float32, device=device)
 
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
-        total = weighted_loss_sum(model, inputs, chunk_size=self.loss_chunk_size, ignore_index=self.ignore_index)
+        total = weighted_loss_sum(
+            model, inputs, chunk_size=self.loss_chunk_size, ignore_index=self.ignore_index
+        )
         if num_items_in_batch is None:  # a lone micro-batch (e.g. a probe): normalise by itself
             num_items_in_batch = inputs["loss_weights"].sum()
         # D == 0 only when no sample of the step has a target: the loss and gradient are then 0.
@@ -286,7 +298,9 @@ class LongAlignTrainer(Trainer):
 
     # --- evaluation ------------------------------------------------------------------------------------
 
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+    def evaluate(
+        self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"
+    ) -> dict[str, float]:
         """Weighted eval loss over the whole eval set: sum(S) / sum(weights), the same whatever the packing."""
         loader = self.get_eval_dataloader(eval_dataset)
         model = self.model
@@ -296,9 +310,15 @@ class LongAlignTrainer(Trainer):
         with torch.no_grad():
             for batch in loader:
                 batch = self._prepare_inputs(batch)
-                total = weighted_loss_sum(model, batch, chunk_size=self.loss_chunk_size, ignore_index=self.ignore_index)
+                total = weighted_loss_sum(
+                    model, batch, chunk_size=self.loss_chunk_size, ignore_index=self.ignore_index
+                )
                 sums += torch.stack(
-                    [total.double(), batch["loss_weights"].double().sum(), torch.tensor(batch["num_samples"]).double().to(sums.device)]
+                    [
+                        total.double(),
+                        batch["loss_weights"].double().sum(),
+                        torch.tensor(batch["num_samples"]).double().to(sums.device),
+                    ]
                 )
         if self.accelerator.num_processes > 1:
             sums = self.accelerator.reduce(sums, reduction="sum")

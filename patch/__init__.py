@@ -1,1 +1,87 @@
-"""Model patches: route packed cu_seqlens to varlen attention."""
+"""Model patches: route packed cu_seqlens to varlen attention.
+
+One call before training::
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    model = longalign.patch.apply(model)            # backend="auto" | "flash_attn" | ... | "sdpa_segments"
+    model(input_ids=..., position_ids=..., cu_seq_lens_q=..., cu_seq_lens_k=..., max_length_q=..., max_length_k=...)
+
+``apply`` checks the architecture once (``UnsupportedModelError`` lists what is supported), registers the
+varlen attention with transformers under a ``longalign_varlen*`` name, selects it, and turns the KV cache
+off: with a cache, transformers' own attention lets packed samples see each other. Call it before wrapping
+the model (PEFT, FSDP); gradient checkpointing may be enabled before or after.
+
+Families with a module of their own: ``llama`` (Llama 3), ``glm`` (GLM, GLM-4). Other decoders with rotary
+positions and attention through transformers' ``AttentionInterface`` take the ``generic`` path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import generic
+from .glm import GLM, GLM4, REMOTE_CODE_HINTS
+from .interface import ATTENTION_NAMES, register, varlen_attention_forward
+from .llama import LLAMA
+
+__all__ = [
+    "ATTENTION_NAMES",
+    "FAMILIES",
+    "UnsupportedModelError",
+    "apply",
+    "check_model",
+    "supported",
+    "varlen_attention_forward",
+]
+
+FAMILIES = (LLAMA, GLM, GLM4)
+
+
+class UnsupportedModelError(ValueError):
+    """The model cannot train on packed samples; the message says why and what is supported."""
+
+
+def apply(model: torch.nn.Module, *, backend: str = "auto") -> torch.nn.Module:
+    """Make ``model`` attend within packed samples: check it, select varlen attention, disable the cache."""
+    check_model(model)
+    name = register(backend)
+    model.set_attn_implementation(name)
+    if model.config._attn_implementation != name:  # transformers only warns when it cannot switch
+        raise UnsupportedModelError(
+            f"{type(model).__name__} kept attention {model.config._attn_implementation!r}"
+        )
+    model.config.use_cache = False
+    return model
+
+
+def check_model(model: torch.nn.Module) -> str:
+    """The family ``model`` is patched as (a label such as ``"GLM-4"``, or ``"generic"``); raises if unsupported."""
+    cls = type(model)
+    model_type = getattr(getattr(model, "config", None), "model_type", "?")
+    if cls.__module__.startswith("transformers_modules"):
+        hint = REMOTE_CODE_HINTS.get(model_type, "Load a checkpoint that transformers supports natively.")
+        raise UnsupportedModelError(
+            f"{cls.__name__} (model type {model_type!r}) is trust_remote_code from {cls.__module__}; longalign "
+            f"patches only transformers' own classes. {hint}"
+        )
+    if not hasattr(model, "set_attn_implementation"):
+        raise UnsupportedModelError(
+            f"{cls.__name__} is not a transformers model; call longalign.patch.apply on the model before "
+            "wrapping it (PEFT, FSDP, DeepSpeed)"
+        )
+    found = generic.problems(model)
+    if found:
+        raise UnsupportedModelError(
+            f"{cls.__name__} (model type {model_type!r}) cannot train on packed samples: {'; '.join(found)}. "
+            f"{supported()}"
+        )
+    return next((family.label for family in FAMILIES if cls.__name__ in family.architectures), "generic")
+
+
+def supported() -> str:
+    """One sentence naming the supported models, for error messages and docs."""
+    named = ", ".join(f"{family.label} ({'/'.join(family.architectures)})" for family in FAMILIES)
+    return (
+        f"Supported: {named}; and any other causal LM whose attention goes through transformers' "
+        "AttentionInterface with fixed rotary position embeddings (e.g. Qwen2, Qwen3, Mistral)."
+    )

@@ -103,7 +103,12 @@ def one_step(weighting: str, samples_per_pack: int, accumulation: int, *, stock:
             remove_unused_columns=False,
             disable_tqdm=True,
         )
-        common = {"model": tiny_model(), "args": args, "train_dataset": packs(samples_per_pack), "callbacks": [capture]}
+        common = {
+            "model": tiny_model(),
+            "args": args,
+            "train_dataset": packs(samples_per_pack),
+            "callbacks": [capture],
+        }
         if stock:
             trainer = Trainer(**common, data_collator=StockCollator())
         else:

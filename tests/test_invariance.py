@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from invariance_run import SAMPLES, one_step
 
 HERE = Path(__file__).resolve().parent
@@ -46,15 +45,34 @@ def test_accumulation_of_four(weighting, reference):
     assert_same(one_step(weighting, samples_per_pack=N // 4, accumulation=4), reference)
 
 
-@pytest.mark.skipif(shutil.which("accelerate") is None and not (Path(sys.executable).parent / "accelerate").exists(),
-                    reason="accelerate launcher not installed")
+@pytest.mark.skipif(
+    shutil.which("accelerate") is None and not (Path(sys.executable).parent / "accelerate").exists(),
+    reason="accelerate launcher not installed",
+)
 def test_two_ranks_times_accumulation_two(weighting, reference, tmp_path):
     out = tmp_path / "grads.pt"
     launcher = Path(sys.executable).parent / "accelerate"
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "PYTHONPATH": str(HERE), "OMP_NUM_THREADS": "1"}
-    cmd = [str(launcher), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
-           str(HERE / "invariance_run.py"), str(out), weighting, str(N // 4), "2"]
+    cmd = [
+        str(launcher),
+        "launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        "0",
+        str(HERE / "invariance_run.py"),
+        str(out),
+        weighting,
+        str(N // 4),
+        "2",
+    ]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert_same(torch.load(out), reference)

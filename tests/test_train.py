@@ -68,7 +68,13 @@ def test_train_save_resume_reload(tokenized, tmp_path):
 
     log = json.loads((straight / "trainer_state.json").read_text())["log_history"]
     first = next(e for e in log if "loss" in e)
-    for key in ("learning_rate", "tokens_per_second", "samples_per_step", "packs_per_step", "packing_efficiency"):
+    for key in (
+        "learning_rate",
+        "tokens_per_second",
+        "samples_per_step",
+        "packs_per_step",
+        "packing_efficiency",
+    ):
         assert key in first
     assert 0.9 < first["packing_efficiency"] <= 1.0
     evals = [e for e in log if "eval_loss" in e]

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from invariance_run import packs, tiny_model
 from transformers import TrainingArguments
 
-from invariance_run import packs, tiny_model
 from longalign.trainer import LongAlignTrainer, PackBatchSampler, pack_costs
 
 
@@ -83,7 +83,9 @@ def test_eval_loss_does_not_depend_on_packing(weighting):
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(output_dir=out, use_cpu=True, report_to="none", per_device_eval_batch_size=2)
         for per_pack in (1, 3, 8):
-            trainer = LongAlignTrainer(model=tiny_model(), args=args, weighting=weighting, eval_dataset=packs(per_pack))
+            trainer = LongAlignTrainer(
+                model=tiny_model(), args=args, weighting=weighting, eval_dataset=packs(per_pack)
+            )
             metrics = trainer.evaluate()
             assert metrics["eval_samples"] == 8
             losses.append(metrics["eval_loss"])

@@ -1,0 +1,202 @@
+"""GPU check, one script: every GPU attention backend against ``sdpa_segments``, then packed training speed.
+
+    python benchmarks/gpu_check.py [--tokens 8192 32768 65536] [--steps 3]
+
+Without CUDA it says so and exits 0. With CUDA:
+
+1. backends: which ones run here, and why the others do not;
+2. agreement: a long-tail pack (single-token and odd-length samples, GQA 16/4 heads, head_dim 128) in
+   bfloat16 through each runnable GPU backend, without and with a sliding window. Output and q/k/v
+   gradients are compared with ``sdpa_segments`` in float32 on the same inputs; a backend passes when its
+   error is at most a small multiple of the error ``sdpa_segments`` itself makes in bfloat16 (plus a floor);
+3. throughput: a small Llama (bfloat16, ~150M parameters) patched with each runnable backend, one packed
+   forward+backward of 8k/32k/64k tokens; tokens/s and peak GPU memory. transformers' own sdpa, which masks
+   packed samples with a dense ``[T, T]`` mask built from ``position_ids``, is the last row.
+
+Exits 1 when a backend disagrees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import longalign.patch
+from longalign.attention import available_backends, varlen_attention
+
+GPU_BACKENDS = ("flash_attn", "flash_attn_cute", "torch_varlen")
+OUTPUT_SLACK, GRAD_SLACK, FLOOR = 2.0, 3.0, 1e-3
+
+
+def long_tail_lengths(tokens: int, seed: int) -> list[int]:
+    """Lengths summing to ``tokens``: log-normal (median ~250), a few single tokens, capped at 16k."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = [1, 1, 3]
+    while sum(lengths) < tokens:
+        draw = torch.empty(1).log_normal_(mean=5.5, std=1.5, generator=generator).item()
+        lengths.append(int(min(max(draw, 1), 16384, tokens - sum(lengths))))
+    return lengths
+
+
+def pack(lengths: list[int], device: torch.device, seed: int = 0):
+    generator = torch.Generator(device=device).manual_seed(seed)
+    total = sum(lengths)
+    q, k, v = (
+        torch.randn(total, heads, 128, device=device, dtype=torch.bfloat16, generator=generator)
+        for heads in (16, 4, 4)
+    )
+    cotangent = torch.randn_like(q)
+    cu_seqlens = torch.tensor(
+        [0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device
+    )
+    return q, k, v, cotangent, cu_seqlens
+
+
+def run(q, k, v, cotangent, cu_seqlens, max_seqlen, **options) -> list[torch.Tensor]:
+    """Output and q/k/v gradients, in float32."""
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    out = varlen_attention(q, k, v, cu_seqlens, max_seqlen, **options)
+    grads = torch.autograd.grad(out, (q, k, v), cotangent.to(out.dtype))
+    return [t.float() for t in (out, *grads)]
+
+
+def check_agreement(device: torch.device, runnable: list[str]) -> bool:
+    lengths = long_tail_lengths(16384, seed=0)
+    q, k, v, cotangent, cu_seqlens = pack(lengths, device)
+    ok = True
+    print(f"\nagreement with sdpa_segments in float32: {len(lengths)} samples, {sum(lengths)} tokens, bf16")
+    print(f"{'backend':<18}{'window':>8}{'out err':>10}{'limit':>10}{'grad err':>10}{'limit':>10}  verdict")
+    for window in (None, 512):
+        reference = run(
+            *(x.float() for x in (q, k, v, cotangent)),
+            cu_seqlens,
+            max(lengths),
+            window=window,
+            backend="sdpa_segments",
+        )
+        bf16 = run(q, k, v, cotangent, cu_seqlens, max(lengths), window=window, backend="sdpa_segments")
+        baseline = [(a - b).abs().max().item() for a, b in zip(bf16, reference, strict=True)]
+        out_limit = OUTPUT_SLACK * baseline[0] + FLOOR
+        grad_limit = GRAD_SLACK * max(baseline[1:]) + FLOOR
+        for name in runnable:
+            reason = available_backends(device, torch.bfloat16, window=window)[name]
+            if reason is not None:
+                print(f"{name:<18}{window or '-':>8}  refused: {reason}")
+                continue
+            got = run(q, k, v, cotangent, cu_seqlens, max(lengths), window=window, backend=name)
+            errors = [(a - b).abs().max().item() for a, b in zip(got, reference, strict=True)]
+            passed = errors[0] <= out_limit and max(errors[1:]) <= grad_limit
+            ok &= passed
+            print(
+                f"{name:<18}{window or '-':>8}{errors[0]:>10.2e}{out_limit:>10.2e}{max(errors[1:]):>10.2e}"
+                f"{grad_limit:>10.2e}  {'ok' if passed else 'MISMATCH'}"
+            )
+    return ok
+
+
+def small_llama(device: torch.device) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=64,
+        max_position_embeddings=65536,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).to(device=device, dtype=torch.bfloat16).train()
+
+
+def packed_batch(tokens: int, device: torch.device) -> dict:
+    lengths = long_tail_lengths(tokens, seed=1)
+    cu_seq_lens = torch.tensor(
+        [0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device
+    )
+    return {
+        "input_ids": torch.randint(0, 32000, (1, tokens), device=device),
+        "position_ids": torch.cat([torch.arange(n, device=device) for n in lengths])[None],
+        "cu_seq_lens_q": cu_seq_lens,
+        "cu_seq_lens_k": cu_seq_lens,
+        "max_length_q": max(lengths),
+        "max_length_k": max(lengths),
+    }
+
+
+def tokens_per_second(model, batch: dict, steps: int) -> tuple[float, float]:
+    """Best-of-``steps`` forward+backward speed after one warm-up, and peak memory in GiB."""
+    tokens = batch["input_ids"].shape[1]
+    torch.cuda.reset_peak_memory_stats()
+    best = float("inf")
+    for step in range(steps + 1):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        logits = model(**batch, use_cache=False).logits
+        loss = torch.nn.functional.cross_entropy(logits[0, :-1].float(), batch["input_ids"][0, 1:])
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        if step:
+            best = min(best, time.perf_counter() - start)
+        del logits, loss
+    return tokens / best, torch.cuda.max_memory_allocated() / 2**30
+
+
+def throughput(device: torch.device, runnable: list[str], token_counts: list[int], steps: int) -> None:
+    model = small_llama(device)
+    print(f"\npacked forward+backward, Llama {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M bf16")
+    print(f"{'attention':<28}" + "".join(f"{f'{n // 1024}k tok/s':>14}{'GiB':>7}" for n in token_counts))
+    rows = [*runnable, "sdpa_segments", "transformers sdpa"]
+    for row in rows:
+        if row == "transformers sdpa":
+            model.set_attn_implementation("sdpa")
+        else:
+            longalign.patch.apply(model, backend=row)
+        cells = []
+        for tokens in token_counts:
+            batch = packed_batch(tokens, device)
+            if row == "transformers sdpa":  # it finds the samples from position_ids alone
+                batch = {key: batch[key] for key in ("input_ids", "position_ids")}
+            try:
+                speed, memory = tokens_per_second(model, batch, steps)
+                cells.append(f"{speed:>14,.0f}{memory:>7.1f}")
+            except torch.OutOfMemoryError:
+                model.zero_grad(set_to_none=True)
+                cells.append(f"{'out of memory':>21}")
+            torch.cuda.empty_cache()
+        print(f"{row:<28}" + "".join(cells))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768, 65536])
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print(
+            "no CUDA device: nothing to check here (tests/test_attention.py skips its GPU cases the same way)"
+        )
+        return 0
+    device = torch.device("cuda")
+    name, capability = torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
+    print(f"{name}, compute capability {capability[0]}.{capability[1]}, torch {torch.__version__}")
+    reasons = available_backends(device, torch.bfloat16)
+    for backend, reason in reasons.items():
+        print(f"  {backend:<16} {'runs' if reason is None else 'unavailable: ' + reason}")
+    runnable = [backend for backend in GPU_BACKENDS if reasons[backend] is None]
+    ok = check_agreement(device, runnable)
+    throughput(device, runnable, args.tokens, args.steps)
+    print("\nall backends agree" if ok else "\nSOME BACKENDS DISAGREE")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

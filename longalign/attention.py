@@ -1,0 +1,392 @@
+"""Varlen attention: every packed sample attends only to itself.
+
+A pack is one row of tokens holding several samples back to back; ``cu_seqlens`` says where each one
+starts. Three samples of lengths 3, 1 and 2::
+
+    tokens        a0 a1 a2 b0 c0 c1
+    position_ids   0  1  2  0  0  1
+    cu_seqlens    [0, 3, 4, 6]          max_seqlen = 3
+
+    causal mask   a0 a1 a2 b0 c0 c1     (1 = may attend; a block-diagonal of causal triangles)
+              a0   1
+              a1   1  1
+              a2   1  1  1
+              b0            1
+              c0               1
+              c1               1  1
+
+Tensors are ``[total_tokens, heads, head_dim]``; K/V may have fewer heads than Q (grouped-query attention)
+and are never repeated in memory. Backends, in the order ``backend="auto"`` tries them:
+
+- ``flash_attn``       FlashAttention 2/3 (``flash_attn`` or ``flash_attn_interface``), optional install
+- ``flash_attn_cute``  FlashAttention 4 (``flash_attn.cute``, Hopper/Blackwell), optional install; tried
+                       before ``flash_attn`` on Blackwell
+- ``torch_varlen``     ``torch.nn.attention.varlen.varlen_attn``, part of PyTorch, CUDA only
+- ``sdpa_segments``    ``scaled_dot_product_attention`` once per sample: runs anywhere, and is the reference
+                       every other backend is tested against
+
+A sliding window of ``window`` tokens means each query sees itself and the ``window - 1`` tokens before it
+(transformers' ``sliding_window``). A backend that cannot honour a window or dropout refuses the call.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+from collections.abc import Callable
+from itertools import pairwise
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("flash_attn", "flash_attn_cute", "torch_varlen", "sdpa_segments")
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+_KERNELS = {  # backend: (modules tried in order, varlen entry point, how to get it)
+    "flash_attn": (
+        ("flash_attn_interface", "flash_attn"),
+        "flash_attn_varlen_func",
+        "pip install flash-attn, or flash-attn-3 on Hopper",
+    ),
+    "flash_attn_cute": (("flash_attn.cute",), "flash_attn_varlen_func", "pip install flash-attn-4"),
+    "torch_varlen": (
+        ("torch.nn.attention.varlen",),
+        "varlen_attn",
+        f"needs a PyTorch with torch.nn.attention.varlen, this is {torch.__version__}",
+    ),
+}
+# (lowest, highest) compute capability major the kernels are built for.
+_CAPABILITY = {"flash_attn": (8, 12), "flash_attn_cute": (9, 11), "torch_varlen": (8, 12)}
+# Keyword arguments the adapters below rely on; older releases of the kernels lack some of them.
+_REQUIRED_ARGUMENTS = {
+    "flash_attn": ("softmax_scale", "causal"),
+    "flash_attn_cute": ("softmax_scale", "causal", "window_size"),
+    "torch_varlen": ("scale", "window_size", "enable_gqa"),
+}
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    dropout: float = 0.0,
+    window: int | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Attention within each packed sample: ``q [T, Hq, D]``, ``k/v [T, Hkv, D]`` -> ``[T, Hq, Dv]``.
+
+    ``cu_seqlens`` is ``[0, l1, l1+l2, ..., T]`` (any integer dtype, any device); ``max_seqlen`` is the
+    longest sample. ``scale`` defaults to ``1/sqrt(D)``. ``backend`` is ``"auto"`` or one of ``BACKENDS``;
+    a named backend that cannot run these tensors raises ``ValueError`` saying why.
+    """
+    if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
+        raise ValueError(
+            f"q, k, v must be [total_tokens, heads, head_dim], got {tuple(q.shape)}, {tuple(k.shape)}, "
+            f"{tuple(v.shape)}"
+        )
+    if not q.shape[0] == k.shape[0] == v.shape[0] or k.shape[1] != v.shape[1]:
+        raise ValueError(
+            f"q, k, v disagree on tokens or K/V heads: {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
+    if cu_seqlens.ndim != 1:
+        raise ValueError(f"cu_seqlens must be 1D, got shape {tuple(cu_seqlens.shape)}")
+    if window is not None and window < 1:
+        raise ValueError(f"window must be a positive number of tokens, got {window}")
+    name = resolve_backend(q.device, q.dtype, window=window, dropout=dropout, backend=backend)
+    cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    return _BACKEND_FUNCTIONS[name](q, k, v, cu_seqlens, int(max_seqlen), causal, scale, dropout, window)
+
+
+def available_backends(
+    device: torch.device | str, dtype: torch.dtype, *, window: int | None = None, dropout: float = 0.0
+) -> dict[str, str | None]:
+    """Each backend, in the order ``auto`` tries them on ``device``, mapped to why it cannot run (``None``: it can).
+
+    >>> available_backends("cpu", torch.float32)["sdpa_segments"] is None
+    True
+    """
+    device = torch.device(device)
+    return {
+        name: _why_unavailable(name, device, dtype, window is not None, dropout > 0)
+        for name in _preference(device)
+    }
+
+
+def resolve_backend(
+    device: torch.device | str,
+    dtype: torch.dtype,
+    *,
+    window: int | None = None,
+    dropout: float = 0.0,
+    backend: str = "auto",
+) -> str:
+    """The backend a call with these tensors runs on: the first that can for ``"auto"``, else ``backend`` itself.
+
+    Raises ``ValueError`` for an unknown name, or for a named backend that cannot run, with the reason.
+    """
+    if backend != "auto" and backend not in BACKENDS:
+        raise ValueError(
+            f"unknown attention backend {backend!r}; expected 'auto' or one of {', '.join(BACKENDS)}"
+        )
+    reasons = available_backends(device, dtype, window=window, dropout=dropout)
+    if backend == "auto":
+        return next(name for name, reason in reasons.items() if reason is None)
+    if reasons[backend] is not None:
+        raise ValueError(f"attention backend {backend!r} cannot run here: {reasons[backend]}")
+    return backend
+
+
+def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``cu_seqlens`` (int32) and ``max_seqlen`` of the samples in ``position_ids [B, T]``, rows concatenated.
+
+    A sample starts at the beginning of each row and wherever the position does not follow the previous
+    one by exactly 1::
+
+        position_ids  [[0, 1, 2, 0, 0, 1]]  ->  cu_seqlens [0, 3, 4, 6], max_seqlen 3
+        position_ids  [[0, 1, 2], [0, 1, 0]] ->  cu_seqlens [0, 3, 5, 6], max_seqlen 3
+    """
+    position_ids = position_ids.reshape(-1, position_ids.shape[-1])
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    start_index = torch.nonzero(starts.flatten()).flatten()
+    total = torch.tensor([position_ids.numel()], device=position_ids.device)
+    cu_seqlens = torch.cat([start_index, total]).to(torch.int32)
+    return cu_seqlens, int(cu_seqlens.diff().max())
+
+
+def _preference(device: torch.device) -> tuple[str, ...]:
+    """Backend order for ``auto``: FA4 leads on Blackwell (capability 10+), FA2/FA3 elsewhere."""
+    if device.type == "cuda" and torch.cuda.is_available() and _capability(device)[0] >= 10:
+        return ("flash_attn_cute", "flash_attn", "torch_varlen", "sdpa_segments")
+    return BACKENDS
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def _why_unavailable(
+    name: str, device: torch.device, dtype: torch.dtype, windowed: bool, dropout: bool
+) -> str | None:
+    """Every reason ``name`` cannot run these tensors, joined by "; ", or ``None`` when it can."""
+    if name == "sdpa_segments":
+        return None
+    kernel, import_problem = _kernel(name)
+    reasons = [] if import_problem is None else [import_problem]
+    if device.type != "cuda":
+        reasons.append(f"needs a CUDA device, tensors are on {device.type}")
+    elif not torch.cuda.is_available():
+        reasons.append("needs CUDA, and torch sees no CUDA device")
+    else:
+        lowest, highest = _CAPABILITY[name]
+        major, minor = _capability(device)
+        if not lowest <= major <= highest or (name == "flash_attn_cute" and torch.version.hip is not None):
+            reasons.append(
+                f"needs an NVIDIA GPU of compute capability {lowest}.x to {highest}.x, this is {major}.{minor}"
+            )
+    if dtype not in _FLASH_DTYPES:
+        reasons.append(f"needs float16 or bfloat16, got {str(dtype).removeprefix('torch.')}")
+    if kernel is not None:
+        missing = [argument for argument in _REQUIRED_ARGUMENTS[name] if not _accepts(kernel, argument)]
+        if missing:
+            reasons.append(f"{_kernel_label(kernel)} is too old: it takes no {', '.join(missing)}")
+        if windowed and not _accepts(kernel, "window_size"):
+            reasons.append(f"{_kernel_label(kernel)} cannot apply a sliding window")
+        if dropout and not _accepts(kernel, "dropout_p"):
+            reasons.append(f"{_kernel_label(kernel)} has no attention dropout")
+    return "; ".join(reasons) or None
+
+
+@functools.cache
+def _kernel(name: str) -> tuple[Callable[..., Any] | None, str | None]:
+    """The varlen entry point of a kernel backend, or ``None`` and why it cannot be imported."""
+    modules, entry_point, install = _KERNELS[name]
+    failures = []
+    for module_name in modules:
+        try:
+            return getattr(importlib.import_module(module_name), entry_point), None
+        except ModuleNotFoundError as error:
+            missing = error.name is not None and (module_name + ".").startswith(error.name + ".")
+            if not missing:
+                failures.append(f"{module_name} failed to import ({error})")
+        except (ImportError, AttributeError, OSError, RuntimeError) as error:
+            failures.append(f"{module_name} failed to import ({type(error).__name__}: {error})")
+    return None, "; ".join(failures) or f"not installed ({install})"
+
+
+def _accepts(function: Callable[..., Any], argument: str) -> bool:
+    return argument in inspect.signature(function).parameters
+
+
+def _kernel_label(function: Callable[..., Any]) -> str:
+    return f"{function.__module__}.{function.__name__}"
+
+
+def _flash_window(
+    window: int | None, causal: bool, infinite: int | None = -1
+) -> tuple[int | None, int | None]:
+    """FlashAttention's inclusive ``(left, right)`` reach for a window of ``window`` tokens.
+
+    window 3, causal: query 5 sees keys 3, 4, 5 -> ``(2, 0)``; no window -> ``(infinite, infinite)``.
+    """
+    if window is None:
+        return (infinite, infinite)
+    return (window - 1, 0 if causal else window - 1)
+
+
+def _sdpa_segments(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    causal: bool,
+    scale: float | None,
+    dropout: float,
+    window: int | None,
+) -> torch.Tensor:
+    """One ``scaled_dot_product_attention`` per sample, on ``[1, heads, length, head_dim]`` views.
+
+    ``split`` rather than slicing: its backward concatenates the samples' gradients once, where slices would
+    each scatter into a zero tensor the size of the whole pack.
+    """
+    bounds = cu_seqlens.tolist()
+    lengths = [end - start for start, end in pairwise(bounds)]
+    if bounds[0] != 0 or bounds[-1] != q.shape[0] or min(lengths, default=0) < 0:
+        raise ValueError(f"cu_seqlens {bounds} must rise from 0 to the {q.shape[0]} tokens")
+    outputs = []
+    for q_i, k_i, v_i in zip(*(x.split(lengths) for x in (q, k, v)), strict=True):
+        if len(q_i) == 0:
+            continue
+        mask = _window_mask(len(q_i), window, causal, q.device)
+        out = F.scaled_dot_product_attention(
+            *(x[None].transpose(1, 2) for x in (q_i, k_i, v_i)),  # the 4D layout CPU's fused kernel takes
+            attn_mask=mask,
+            dropout_p=dropout,
+            is_causal=causal and mask is None,
+            scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+        outputs.append(out.squeeze(0).transpose(0, 1))
+    return torch.cat(outputs) if outputs else q.new_empty(0, q.shape[1], v.shape[2])
+
+
+def _window_mask(length: int, window: int | None, causal: bool, device: torch.device) -> torch.Tensor | None:
+    """Boolean ``[length, length]`` mask for a sliding window, or ``None`` when the window covers everything.
+
+    length 4, window 2, causal::
+
+        1 0 0 0
+        1 1 0 0
+        0 1 1 0
+        0 0 1 1
+    """
+    if window is None or window >= length:
+        return None
+    position = torch.arange(length, device=device)
+    distance = position[:, None] - position[None, :]
+    return (distance < window) & (distance >= 0 if causal else distance > -window)
+
+
+def _flash_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    causal: bool,
+    scale: float | None,
+    dropout: float,
+    window: int | None,
+) -> torch.Tensor:
+    """FlashAttention 2 (``flash_attn``) or 3 (``flash_attn_interface``).
+
+    Window and dropout go in only when used: FA3 has no ``dropout_p``, FA2 before 2.3 no ``window_size``.
+    """
+    options = {"window_size": _flash_window(window, causal)} if window is not None else {}
+    if dropout:
+        options["dropout_p"] = dropout
+    out = _kernel("flash_attn")[0](
+        q,
+        k,
+        v,
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_k=cu_seqlens,
+        max_seqlen_q=max_seqlen,
+        max_seqlen_k=max_seqlen,
+        softmax_scale=scale,
+        causal=causal,
+        **options,
+    )
+    # Some FA3 releases return (out, softmax_lse).
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _flash_attn_cute(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    causal: bool,
+    scale: float | None,
+    dropout: float,
+    window: int | None,
+) -> torch.Tensor:
+    """FlashAttention 4; returns ``(out, lse)`` and spells an unbounded window side as ``None``."""
+    out, _ = _kernel("flash_attn_cute")[0](
+        q,
+        k,
+        v,
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_k=cu_seqlens,
+        max_seqlen_q=max_seqlen,
+        max_seqlen_k=max_seqlen,
+        softmax_scale=scale,
+        causal=causal,
+        window_size=_flash_window(window, causal, infinite=None),
+    )
+    return out
+
+
+def _torch_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    causal: bool,
+    scale: float | None,
+    dropout: float,
+    window: int | None,
+) -> torch.Tensor:
+    """PyTorch's own varlen kernel (the 2.12+ signature): causality is spelled as the window ``(-1, 0)``."""
+    window_size = (-1, 0) if causal and window is None else _flash_window(window, causal)
+    return _kernel("torch_varlen")[0](
+        q,
+        k,
+        v,
+        cu_seqlens,
+        cu_seqlens,
+        max_seqlen,
+        max_seqlen,
+        scale=scale,
+        window_size=window_size,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+
+
+_BACKEND_FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {
+    "flash_attn": _flash_attn,
+    "flash_attn_cute": _flash_attn_cute,
+    "torch_varlen": _torch_varlen,
+    "sdpa_segments": _sdpa_segments,
+}

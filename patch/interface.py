@@ -1,0 +1,137 @@
+"""The bridge between transformers' ``AttentionInterface`` and :func:`longalign.attention.varlen_attention`.
+
+A decoder layer hands its attention function ``query [B, Hq, T, D]`` and ``key/value [B, Hkv, T, D]``
+plus the batch's keyword arguments. The collator's packed batch (``B = 1``)::
+
+    input_ids      [[a0 a1 a2 b0 c0 c1]]
+    position_ids   [[ 0  1  2  0  0  1]]      -> rotary positions restart per sample
+    cu_seq_lens_q  [0, 3, 4, 6]               -> reaches the attention function untouched
+    max_length_q   3
+
+The attention function flattens ``B x T`` into one token axis, runs varlen attention over the samples and
+returns ``[B, T, Hq, D]``. Without ``cu_seq_lens_q`` the samples are read off ``position_ids`` (each row
+starts a sample, and so does every break in the count), costing one device sync per layer.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from longalign.attention import cu_seqlens_from_position_ids, varlen_attention
+
+# Registered names, one per backend choice. None contains "flash" or "/" (transformers would load its own
+# flash-attention or a Hub kernel instead of calling ours) or "sdpa" (it would check for sdpa support).
+ATTENTION_NAMES = {
+    "auto": "longalign_varlen",
+    "flash_attn": "longalign_varlen_fa",
+    "flash_attn_cute": "longalign_varlen_fa4",
+    "torch_varlen": "longalign_varlen_torch",
+    "sdpa_segments": "longalign_varlen_segments",
+}
+
+
+def register(backend: str = "auto") -> str:
+    """Register the varlen attention (and its mask hook) for ``backend``; return the name to select it by."""
+    if backend not in ATTENTION_NAMES:
+        raise ValueError(
+            f"unknown attention backend {backend!r}; expected one of {', '.join(ATTENTION_NAMES)}"
+        )
+    name = ATTENTION_NAMES[backend]
+    AttentionInterface.register(name, functools.partial(varlen_attention_forward, backend=backend))
+    AttentionMaskInterface.register(name, padding_free_mask)
+    return name
+
+
+def varlen_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    is_causal: bool | None = None,
+    s_aux: torch.Tensor | None = None,
+    *,
+    backend: str = "auto",
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: ``[B, Hq, T, D]`` in, ``([B, T, Hq, Dv], None)`` out."""
+    if attention_mask is not None:
+        raise ValueError(
+            f"longalign's varlen attention got a {attention_mask.dim()}D attention mask; packed batches carry "
+            "their sample boundaries in cu_seq_lens_q/position_ids and need no mask"
+        )
+    if softcap is not None or s_aux is not None:
+        raise NotImplementedError(
+            f"{type(module).__name__} uses attention logit soft-capping or attention sinks, which longalign's "
+            "varlen attention does not implement"
+        )
+    batch, heads, length, _ = query.shape
+    if key.shape[2] != length:
+        raise ValueError(
+            f"{length} queries against {key.shape[2]} keys: longalign's varlen attention is for training "
+            "without a KV cache; generate with model.set_attn_implementation('sdpa')"
+        )
+    cu_seqlens, max_seqlen = _sample_boundaries(kwargs, batch, length)
+    device_type = query.device.type
+    # Under autocast the rotary embedding leaves q/k in float32 while v is already in the autocast dtype.
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else query.dtype
+    q, k, v = (
+        x.transpose(1, 2).reshape(batch * length, x.shape[1], x.shape[3]).to(dtype)
+        for x in (query, key, value)
+    )
+    out = varlen_attention(
+        q,
+        k,
+        v,
+        cu_seqlens,
+        max_seqlen,
+        causal=getattr(module, "is_causal", True) if is_causal is None else is_causal,
+        scale=scaling,
+        dropout=dropout,
+        window=sliding_window,
+        backend=backend,
+    )
+    return out.view(batch, length, heads, out.shape[-1]), None
+
+
+def padding_free_mask(*, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> None:
+    """Mask hook, run once per forward: a 2D mask of all ones is dropped, real padding is an error.
+
+    Registering it also stops transformers from silently discarding a padding mask, which it does for an
+    attention function that has no mask hook.
+    """
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError(
+            "the batch has padding (attention_mask has zeros); longalign's varlen attention expects packed rows "
+            "without padding: concatenate the samples and pass cu_seq_lens_q/k or position_ids instead"
+        )
+    return None
+
+
+def _sample_boundaries(kwargs: dict[str, Any], batch: int, length: int) -> tuple[torch.Tensor, int]:
+    """``cu_seqlens`` and ``max_seqlen`` from the batch: the collator's, else read off ``position_ids``."""
+    cu_seqlens = kwargs.get("cu_seq_lens_q")
+    if cu_seqlens is not None:
+        if batch != 1:
+            raise ValueError(
+                f"cu_seq_lens_q describes one packed row, but the batch has {batch} rows: concatenate the "
+                "packs into a single row (batch size 1)"
+            )
+        max_seqlen = kwargs.get("max_length_q")
+        return cu_seqlens, int(cu_seqlens.diff().max() if max_seqlen is None else max_seqlen)
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:
+        raise ValueError(
+            "neither cu_seq_lens_q nor position_ids reached the attention function, so sample boundaries are "
+            "unknown; this model does not forward its keyword arguments to attention"
+        )
+    return cu_seqlens_from_position_ids(position_ids.expand(batch, length))

@@ -1,0 +1,309 @@
+"""Every attention backend against a dense block-diagonal reference: values, gradients, refusals."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from longalign import attention
+from longalign.attention import (
+    BACKENDS,
+    available_backends,
+    cu_seqlens_from_position_ids,
+    resolve_backend,
+    varlen_attention,
+)
+
+GPU_BACKENDS = ("flash_attn", "flash_attn_cute", "torch_varlen")
+CPU = torch.device("cpu")
+
+
+def allowed_pairs(
+    cu_seqlens: torch.Tensor, *, causal: bool, left: int | None, right: int | None
+) -> torch.Tensor:
+    """``[T, T]`` bool: query i may see key j (same sample, j in [i - left, i + right]; None = unbounded).
+
+    cu_seqlens [0, 2, 3], causal::
+
+        1 0 0
+        1 1 0
+        0 0 1
+    """
+    sample = torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1), cu_seqlens.diff().long())
+    position = torch.arange(len(sample))
+    offset = position[None, :] - position[:, None]  # key minus query
+    allowed = sample[:, None] == sample[None, :]
+    if causal:
+        allowed &= offset <= 0
+    if left is not None:
+        allowed &= offset >= -left
+    if right is not None:
+        allowed &= offset <= right
+    return allowed
+
+
+def masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float | None
+) -> torch.Tensor:
+    """Plain softmax attention on ``[T, H, D]`` with K/V heads repeated: slow and obvious."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    return torch.einsum("hqk,khd->qhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), v)
+
+
+def dense_reference(q, k, v, cu_seqlens, *, causal=True, scale=None, window=None):
+    """What ``varlen_attention`` promises, through one dense mask (window: itself plus window-1 before)."""
+    reach = None if window is None else window - 1
+    allowed = allowed_pairs(cu_seqlens, causal=causal, left=reach, right=None if causal else reach)
+    return masked_attention(q, k, v, allowed, scale)
+
+
+def random_pack(lengths, q_heads, kv_heads, head_dim, dtype=torch.float64, device=CPU, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    q, k, v = (
+        torch.randn(total, heads, head_dim, generator=generator, dtype=dtype).to(device).requires_grad_()
+        for heads in (q_heads, kv_heads, kv_heads)
+    )
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k, v, cu_seqlens
+
+
+def values_and_grads(function, q, k, v, cotangent):
+    out = function(q, k, v)
+    return (out, *torch.autograd.grad(out, (q, k, v), cotangent))
+
+
+def test_auto_is_sdpa_segments_on_cpu():
+    assert resolve_backend("cpu", torch.float32) == "sdpa_segments"
+    assert resolve_backend("cpu", torch.bfloat16, window=8, dropout=0.1) == "sdpa_segments"
+    assert list(available_backends("cpu", torch.float32)) == list(BACKENDS)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 17), min_size=1, max_size=6),
+    kv_heads=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 2, 3]),
+    head_dim=st.sampled_from([4, 8]),
+    causal=st.booleans(),
+    window=st.none() | st.integers(1, 6),
+    scale=st.none() | st.just(0.3),
+    seed=st.integers(0, 2**16),
+)
+def test_sdpa_segments_matches_dense_reference(
+    lengths, kv_heads, group, head_dim, causal, window, scale, seed
+):
+    q, k, v, cu_seqlens = random_pack(lengths, kv_heads * group, kv_heads, head_dim, seed=seed)
+    cotangent = torch.randn_like(q)
+    options = {"causal": causal, "scale": scale, "window": window}
+    got = values_and_grads(
+        lambda q, k, v: varlen_attention(
+            q, k, v, cu_seqlens, max(lengths), backend="sdpa_segments", **options
+        ),
+        q,
+        k,
+        v,
+        cotangent,
+    )
+    expected = values_and_grads(
+        lambda q, k, v: dense_reference(q, k, v, cu_seqlens, **options), q, k, v, cotangent
+    )
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, expected, strict=True):
+        torch.testing.assert_close(a, b, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_every_available_backend_matches_reference_on_cpu(dtype, tolerance):
+    lengths = [1, 9, 1, 30, 4, 1]  # odd lengths and single-token samples
+    q, k, v, cu_seqlens = random_pack(lengths, 6, 2, 16, dtype=dtype)
+    cotangent = torch.randn_like(q)
+    expected = values_and_grads(
+        lambda q, k, v: dense_reference(q.double(), k.double(), v.double(), cu_seqlens), q, k, v, cotangent
+    )
+    runnable = [name for name, reason in available_backends(CPU, dtype).items() if reason is None]
+    assert "sdpa_segments" in runnable
+    for name in runnable:
+        got = values_and_grads(
+            lambda q, k, v, name=name: varlen_attention(q, k, v, cu_seqlens, 30, backend=name),
+            q,
+            k,
+            v,
+            cotangent,
+        )
+        for a, b in zip(got, expected, strict=True):
+            torch.testing.assert_close(a, b.to(dtype), atol=tolerance, rtol=tolerance)
+
+
+def test_single_token_samples_return_their_own_values():
+    q, k, v, cu_seqlens = random_pack([1, 1, 1], 4, 2, 8)
+    out = varlen_attention(q, k, v, cu_seqlens, 1)
+    torch.testing.assert_close(out, v.repeat_interleave(2, dim=1))
+
+
+def test_samples_do_not_see_each_other():
+    q, k, v, cu_seqlens = random_pack([5, 4], 2, 2, 8)
+    out = varlen_attention(q, k, v, cu_seqlens, 5)
+    second_alone = varlen_attention(q[5:], k[5:], v[5:], torch.tensor([0, 4]), 4)
+    torch.testing.assert_close(out[5:], second_alone)
+
+
+@pytest.mark.parametrize("name", GPU_BACKENDS)
+def test_gpu_backends_refuse_cpu_tensors_and_say_why(name):
+    reason = available_backends(CPU, torch.float32)[name]
+    assert "needs a CUDA device" in reason and "needs float16 or bfloat16, got float32" in reason
+    q, k, v, cu_seqlens = random_pack([3, 2], 2, 2, 8, dtype=torch.float32)
+    with pytest.raises(ValueError, match=f"attention backend '{name}' cannot run here: .*CUDA"):
+        varlen_attention(q, k, v, cu_seqlens, 3, backend=name)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash-attn is installed here")
+def test_missing_flash_attn_is_reported_as_not_installed():
+    assert available_backends(CPU, torch.bfloat16)["flash_attn"].startswith(
+        "not installed (pip install flash-attn"
+    )
+
+
+def test_torch_varlen_refuses_dropout_but_honours_windows():
+    reasons = available_backends(CPU, torch.bfloat16, window=4, dropout=0.1)
+    assert "varlen_attn has no attention dropout" in reasons["torch_varlen"]
+    assert "sliding window" not in reasons["torch_varlen"]
+
+
+def test_kernel_without_window_refuses_sliding_window(monkeypatch):
+    def flash_attn_varlen_func(  # flash-attn 2.2 and older
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+        causal=False, return_attn_probs=False,
+    ):  # fmt: skip
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(attention, "_kernel", lambda name: (flash_attn_varlen_func, None))
+    assert "cannot apply a sliding window" in available_backends(CPU, torch.bfloat16, window=4)["flash_attn"]
+    assert "sliding window" not in available_backends(CPU, torch.bfloat16)["flash_attn"]
+    assert "too old" not in available_backends(CPU, torch.bfloat16)["flash_attn"]
+
+
+def test_kernel_too_old_for_the_adapter_is_refused(monkeypatch):
+    def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(attention, "_kernel", lambda name: (varlen_attn, None))
+    reason = available_backends(CPU, torch.bfloat16)["torch_varlen"]
+    assert "is too old: it takes no scale, window_size, enable_gqa" in reason
+
+
+def test_bad_arguments_are_errors():
+    q, k, v, cu_seqlens = random_pack([3, 2], 4, 2, 8)
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
+        varlen_attention(q, k, v, cu_seqlens, 3, backend="flash")
+    with pytest.raises(ValueError, match="not a multiple"):
+        varlen_attention(q, k[:, :1].expand(-1, 3, -1), v[:, :1].expand(-1, 3, -1), cu_seqlens, 3)
+    with pytest.raises(ValueError, match="must rise from 0 to the 5 tokens"):
+        varlen_attention(q, k, v, torch.tensor([0, 3]), 3)
+    with pytest.raises(ValueError, match="window must be a positive"):
+        varlen_attention(q, k, v, cu_seqlens, 3, window=0)
+    with pytest.raises(ValueError, match=r"\[total_tokens, heads, head_dim\]"):
+        varlen_attention(q[None], k[None], v[None], cu_seqlens, 3)
+
+
+# Stand-ins that follow each kernel's documented call convention, run on CPU through the dense reference:
+# they check how the adapters spell causality, windows, GQA and scale, which no CPU machine can run for real.
+def fake_flash_attn(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+    causal=False, window_size=(-1, -1),
+):  # fmt: skip
+    """flash_attn (FA2): window_size is inclusive (left, right), -1 = unbounded."""
+    assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_q is cu_seqlens_k and dropout_p == 0.0
+    left, right = (None if reach == -1 else reach for reach in window_size)
+    return masked_attention(
+        q, k, v, allowed_pairs(cu_seqlens_q, causal=causal, left=left, right=right), softmax_scale
+    )
+
+
+def fake_flash_attn_cute(
+    q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, softmax_scale=None,
+    causal=False, window_size=(None, None), return_lse=False,
+):  # fmt: skip
+    """flash_attn.cute (FA4): None = unbounded, and it returns (out, lse)."""
+    left, right = window_size
+    allowed = allowed_pairs(cu_seqlens_q, causal=causal, left=left, right=right)
+    return masked_attention(q, k, v, allowed, softmax_scale), None
+
+
+def fake_torch_varlen(
+    query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False
+):
+    """torch varlen_attn: no causal flag; (-1, 0) means causal, (W, 0) a causal window."""
+    assert enable_gqa == (query.shape[1] != key.shape[1])
+    left, right = (None if reach == -1 else reach for reach in window_size)
+    allowed = allowed_pairs(cu_seq_q, causal=tuple(window_size) == (-1, 0), left=left, right=right)
+    return masked_attention(query, key, value, allowed, scale)
+
+
+@pytest.mark.parametrize(
+    "name, fake",
+    [
+        ("flash_attn", fake_flash_attn),
+        ("flash_attn_cute", fake_flash_attn_cute),
+        ("torch_varlen", fake_torch_varlen),
+    ],
+)
+@pytest.mark.parametrize("causal, window", [(True, None), (True, 3), (False, None), (False, 2)])
+def test_kernel_adapters_speak_each_kernels_convention(monkeypatch, name, fake, causal, window):
+    monkeypatch.setattr(attention, "_kernel", lambda _: (fake, None))
+    q, k, v, cu_seqlens = random_pack([4, 1, 7], 4, 2, 8)
+    run = attention._BACKEND_FUNCTIONS[name]
+    got = run(q, k, v, cu_seqlens, 7, causal, 0.25, 0.0, window)
+    expected = dense_reference(q, k, v, cu_seqlens, causal=causal, scale=0.25, window=window)
+    torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs CUDA; benchmarks/gpu_check.py runs these checks on a GPU machine",
+)
+@pytest.mark.parametrize("name", GPU_BACKENDS)
+@pytest.mark.parametrize("window", [None, 64])
+def test_gpu_backend_matches_sdpa_segments_in_bf16(name, window):
+    device = torch.device("cuda")
+    reason = available_backends(device, torch.bfloat16, window=window)[name]
+    if reason is not None:
+        pytest.skip(f"{name}: {reason}")
+    lengths = [1, 300, 17, 1, 1000, 129]
+    q, k, v, cu_seqlens = random_pack(lengths, 8, 2, 64, dtype=torch.bfloat16, device=device)
+    cotangent = torch.randn_like(q)
+    expected = values_and_grads(
+        lambda q, k, v: varlen_attention(q.float(), k.float(), v.float(), cu_seqlens, 1000, window=window),
+        q,
+        k,
+        v,
+        cotangent,
+    )
+    got = values_and_grads(
+        lambda q, k, v: varlen_attention(q, k, v, cu_seqlens, 1000, window=window, backend=name),
+        q,
+        k,
+        v,
+        cotangent,
+    )
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_cu_seqlens_from_position_ids():
+    cu_seqlens, max_seqlen = cu_seqlens_from_position_ids(torch.tensor([[0, 1, 2, 0, 0, 1]]))
+    assert cu_seqlens.dtype == torch.int32 and cu_seqlens.tolist() == [0, 3, 4, 6] and max_seqlen == 3
+    cu_seqlens, max_seqlen = cu_seqlens_from_position_ids(torch.tensor([[0, 1, 2], [3, 4, 5]]))
+    assert cu_seqlens.tolist() == [0, 3, 6] and max_seqlen == 3  # every row starts a sample
+
+
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=8))
+def test_cu_seqlens_round_trip_through_position_ids(lengths):
+    position_ids = torch.cat([torch.arange(length) for length in lengths])[None]
+    cu_seqlens, max_seqlen = cu_seqlens_from_position_ids(position_ids)
+    assert cu_seqlens.diff().tolist() == lengths and max_seqlen == max(lengths)

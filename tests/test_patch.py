@@ -1,0 +1,252 @@
+"""Patched tiny models: a packed forward+backward equals running every sample alone."""
+
+from __future__ import annotations
+
+import copy
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import (
+    Glm4Config,
+    Glm4ForCausalLM,
+    GlmConfig,
+    GlmForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+)
+
+import longalign.patch
+import longalign.patch.interface
+from longalign.patch import ATTENTION_NAMES, UnsupportedModelError, apply, check_model
+
+VOCAB = 64
+LENGTHS = [7, 1, 12, 5]  # a single-token sample, and samples longer than Mistral's window
+TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,  # grouped-query attention
+    head_dim=8,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+MODELS = {
+    "llama": (LlamaForCausalLM, LlamaConfig(**TINY)),
+    "glm": (GlmForCausalLM, GlmConfig(**TINY)),  # partial rotary: half of each head rotates
+    "glm4": (Glm4ForCausalLM, Glm4Config(**TINY)),
+    "mistral": (MistralForCausalLM, MistralConfig(**TINY, sliding_window=4)),  # generic path, with a window
+}
+
+
+def tiny_model(kind: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    cls, config = MODELS[kind]
+    return cls(copy.deepcopy(config))
+
+
+def packed_batch(lengths: list[int], *, boundaries: str = "cu_seq_lens") -> dict:
+    """The collator's batch for one pack; ``boundaries="position_ids"`` leaves out the cu_seq_lens keys."""
+    input_ids = torch.randint(3, VOCAB, (1, sum(lengths)), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": input_ids, "position_ids": torch.cat([torch.arange(n) for n in lengths])[None]}
+    if boundaries == "cu_seq_lens":
+        cu_seq_lens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        batch |= {
+            "cu_seq_lens_q": cu_seq_lens,
+            "cu_seq_lens_k": cu_seq_lens,
+            "max_length_q": max(lengths),
+            "max_length_k": max(lengths),
+        }
+    return batch
+
+
+def sample_slices(lengths: list[int]) -> list[slice]:
+    ends = torch.tensor(lengths).cumsum(0).tolist()
+    return [slice(end - n, end) for n, end in zip(lengths, ends, strict=True)]
+
+
+def summed_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """Next-token loss of one sample, summed (a single token has no target)."""
+    return F.cross_entropy(logits[0, :-1], input_ids[0, 1:], reduction="sum")
+
+
+def run_alone(model, batch, lengths):
+    """Logits of every sample run on its own through transformers' eager attention, and the summed loss."""
+    logits = [model(input_ids=batch["input_ids"][:, part]).logits for part in sample_slices(lengths)]
+    loss = sum(
+        summed_loss(out, batch["input_ids"][:, part])
+        for out, part in zip(logits, sample_slices(lengths), strict=True)
+    )
+    return torch.cat(logits, dim=1), loss
+
+
+def run_packed(model, batch, lengths):
+    logits = model(**batch).logits
+    loss = sum(summed_loss(logits[:, part], batch["input_ids"][:, part]) for part in sample_slices(lengths))
+    return logits, loss
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    return {name: param.grad for name, param in model.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    "checkpointing", [None, False, True], ids=["plain", "checkpointing", "reentrant_checkpointing"]
+)
+@pytest.mark.parametrize("boundaries", ["cu_seq_lens", "position_ids"])
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_packed_equals_each_sample_alone(monkeypatch, kind, boundaries, checkpointing):
+    model = tiny_model(kind).train()
+    reference = copy.deepcopy(model)
+    reference.set_attn_implementation("eager")
+    reference.config.use_cache = False
+    apply(model)
+    if checkpointing is not None:
+        model.activation_checkpointing_enable({"use_reentrant": checkpointing})
+    seen = []
+    real_varlen_attention = longalign.patch.interface.varlen_attention
+
+    def spy(q, k, v, cu_seqlens, max_seqlen, **options):
+        seen.append((cu_seqlens.tolist(), max_seqlen, options["window"]))
+        return real_varlen_attention(q, k, v, cu_seqlens, max_seqlen, **options)
+
+    monkeypatch.setattr(longalign.patch.interface, "varlen_attention", spy)
+    batch = packed_batch(LENGTHS, boundaries=boundaries)
+
+    logits, loss = run_packed(model, batch, LENGTHS)
+    loss.backward()
+    expected_logits, expected_loss = run_alone(reference, batch, LENGTHS)
+    expected_loss.backward()
+
+    torch.testing.assert_close(logits, expected_logits, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(loss, expected_loss)
+    torch.testing.assert_close(grads(model), grads(reference), atol=2e-5, rtol=1e-4)
+    layers = model.config.num_hidden_layers
+    window = model.config.sliding_window if kind == "mistral" else None
+    # Each layer saw the pack's boundaries, again when checkpointing recomputed it during backward.
+    assert seen == [([0, 7, 8, 20, 25], 12, window)] * layers * (1 if checkpointing is None else 2)
+
+
+@pytest.mark.parametrize("use_cache, contaminated", [(True, True), (False, False)])
+def test_transformers_sdpa_without_the_patch_leaks_across_samples_when_caching(use_cache, contaminated):
+    """The failure the patch prevents: with a KV cache, transformers' sdpa ignores the position_ids packing."""
+    model = tiny_model("llama")
+    model.config.use_cache = use_cache
+    model.set_attn_implementation("sdpa")
+    batch = packed_batch(LENGTHS, boundaries="position_ids")
+    with torch.no_grad():
+        packed, _ = run_packed(model, batch, LENGTHS)
+        alone, _ = run_alone(model, batch, LENGTHS)
+    first = LENGTHS[0]
+    torch.testing.assert_close(packed[:, :first], alone[:, :first], atol=2e-5, rtol=1e-5)
+    leak = (packed[:, first:] - alone[:, first:]).abs().max().item()
+    assert (leak > 1e-2) if contaminated else (leak < 1e-4)
+
+
+def test_apply_selects_varlen_attention_and_disables_the_cache():
+    model = tiny_model("glm4")
+    assert model.config.use_cache
+    assert apply(model) is model
+    assert model.config._attn_implementation == "longalign_varlen" and not model.config.use_cache
+    apply(model, backend="sdpa_segments")
+    assert model.config._attn_implementation == "longalign_varlen_segments"
+    # transformers treats names with "flash" or "org/repo" shapes as its own kernels to load.
+    assert not any("flash" in name or "/" in name or "sdpa" in name for name in ATTENTION_NAMES.values())
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
+        apply(model, backend="flash")
+
+
+def test_named_backend_that_cannot_run_fails_at_first_forward():
+    model = apply(tiny_model("llama"), backend="torch_varlen")
+    with pytest.raises(ValueError, match="'torch_varlen' cannot run here: needs a CUDA device"):
+        model(**packed_batch(LENGTHS))
+
+
+@pytest.mark.parametrize("kind", ["llama", "glm", "glm4"])
+def test_families_are_named(kind):
+    assert check_model(tiny_model(kind)) == {"llama": "Llama 3", "glm": "GLM", "glm4": "GLM-4"}[kind]
+
+
+def test_other_rotary_decoders_take_the_generic_path():
+    assert check_model(tiny_model("mistral")) == "generic"
+
+
+def test_learned_positions_are_refused_with_the_supported_list():
+    model = GPT2LMHeadModel(
+        GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2)
+    )
+    with pytest.raises(UnsupportedModelError, match="no rotary position embedding") as error:
+        apply(model)
+    assert "Supported: Llama 3 (LlamaForCausalLM), GLM (GlmForCausalLM), GLM-4 (Glm4ForCausalLM)" in str(
+        error.value
+    )
+
+
+def test_batch_dependent_rope_is_refused():
+    config = LlamaConfig(
+        **TINY, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    )
+    with pytest.raises(UnsupportedModelError, match="rope_type 'dynamic' derives frequencies"):
+        check_model(LlamaForCausalLM(config))
+
+
+def test_remote_code_glm_points_to_the_native_checkpoint():
+    remote = type("ChatGLMForConditionalGeneration", (torch.nn.Module,), {})
+    remote.__module__ = "transformers_modules.THUDM.glm-4-9b-chat.modeling_chatglm"
+    model = remote()
+    model.config = types.SimpleNamespace(model_type="chatglm")
+    with pytest.raises(
+        UnsupportedModelError, match="trust_remote_code.*glm-4-9b-chat-hf \\(GlmForCausalLM\\)"
+    ):
+        apply(model)
+
+
+def test_wrapped_models_are_refused_with_a_hint():
+    wrapper = torch.nn.Module()
+    wrapper.model = tiny_model("llama")
+    with pytest.raises(
+        UnsupportedModelError, match="call longalign.patch.apply on the model before wrapping"
+    ):
+        apply(wrapper)
+
+
+def test_padding_is_an_error_and_an_all_ones_mask_is_not():
+    model = apply(tiny_model("llama"))
+    batch = packed_batch(LENGTHS)
+    torch.testing.assert_close(
+        model(**batch, attention_mask=torch.ones_like(batch["input_ids"])).logits, model(**batch).logits
+    )
+    mask = torch.ones_like(batch["input_ids"])
+    mask[0, -3:] = 0
+    with pytest.raises(ValueError, match="the batch has padding"):
+        model(**batch, attention_mask=mask)
+
+
+def test_unpacked_rows_need_no_boundaries_and_multi_row_packs_are_refused():
+    model = apply(tiny_model("llama"))
+    input_ids = torch.randint(3, VOCAB, (2, 6))
+    with torch.no_grad():
+        rows = model(input_ids=input_ids).logits
+        alone = torch.cat([model(input_ids=row[None]).logits for row in input_ids])
+    torch.testing.assert_close(rows, alone)
+    batch = packed_batch([3, 3]) | {"input_ids": input_ids, "position_ids": torch.arange(3).repeat(2, 2)}
+    with pytest.raises(ValueError, match="concatenate the packs into a single row"):
+        model(**batch)
+
+
+def test_autocast_mixed_precision_runs_through_the_patch():
+    model = apply(tiny_model("glm"))
+    batch = packed_batch(LENGTHS)
+    with torch.no_grad():
+        full = model(**batch).logits
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            mixed = model(**batch).logits
+    torch.testing.assert_close(mixed.float(), full, atol=0.1, rtol=0.1)
