@@ -16,9 +16,7 @@ gradient of ``sum(S) / D`` however the samples were split into packs, micro-batc
 from __future__ import annotations
 
 import time
-import types
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -28,9 +26,7 @@ from torch.utils.data import DataLoader, Dataset
 from transformers import Trainer
 
 from longalign.data import PackCollator
-from longalign.loss import lm_head_spec, weighted_token_loss
-
-MODEL_INPUTS = ("input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+from longalign.loss import weighted_loss_sum
 
 
 def pack_costs(packs) -> np.ndarray:
@@ -130,58 +126,6 @@ class PackDataLoader(DataLoader):
 
     def set_epoch(self, epoch: int) -> None:
         self.batch_sampler.set_epoch(epoch)
-
-
-@contextmanager
-def loss_in_lm_head(model: torch.nn.Module, batch: dict[str, Any], *, chunk_size: int, ignore_index: int):
-    """Make the model's LM head return the chunked weighted loss sum ``S`` instead of logits.
-
-    The loss is computed inside the head's own forward call, so sharding backends (FSDP, DeepSpeed
-    ZeRO-3) gather its weight around it exactly as for an ordinary forward and backward, and the full
-    ``[tokens, vocab]`` logits never exist. The model's output ``logits`` is ``S`` with shape ``[1, 1, 1]``.
-    """
-    spec = lm_head_spec(model)
-    if spec.logit_scale is not None or spec.final_logit_softcap is not None:
-        raise ValueError(
-            f"{type(model).__name__}: the model scales or soft-caps its logits after the LM head; "
-            "training through the LM head does not support that yet"
-        )
-    head = model.get_output_embeddings()
-    labels, weights = batch["labels"], batch["loss_weights"]
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        total = weighted_token_loss(
-            hidden,
-            self.weight,
-            labels,
-            weights,
-            lm_head_bias=self.bias,
-            chunk_size=chunk_size,
-            ignore_index=ignore_index,
-        )
-        return total.reshape(1, 1, 1)
-
-    head.forward = types.MethodType(forward, head)
-    try:
-        yield
-    finally:
-        del head.forward
-
-
-def weighted_loss_sum(
-    model: torch.nn.Module, batch: dict[str, Any], *, chunk_size: int = 4096, ignore_index: int = -100
-) -> torch.Tensor:
-    """One micro-batch's ``S = sum_t w_t * CE_t`` (float32 scalar) through a full model forward.
-
-    ``model`` may be wrapped (DDP, FSDP, DeepSpeed); the LM head is found on the unwrapped model.
-    """
-    inner = model
-    while hasattr(inner, "module"):
-        inner = inner.module
-    inputs = {key: batch[key] for key in MODEL_INPUTS if key in batch}
-    with loss_in_lm_head(inner, batch, chunk_size=chunk_size, ignore_index=ignore_index):
-        outputs = model(**inputs, use_cache=False, logits_to_keep=0)
-    return outputs.logits.reshape(())
 
 
 class LongAlignTrainer(Trainer):

@@ -1,0 +1,337 @@
+"""Weighted next-token loss from final hidden states, chunked: full ``[tokens, vocab]`` logits never exist.
+
+The trainer's path for one micro-batch::
+
+    s_local = weighted_loss_sum(model, batch)     # the model's forward, with the LM head swapped for the loss
+
+Inside the LM head's own forward call, ``weighted_token_loss`` takes the final hidden states and the head's
+weight; because that happens inside the head module's call, DDP, FSDP and DeepSpeed ZeRO-3 see an ordinary
+forward and backward of the head (and gather its sharded weight around both).
+
+``s_local`` is S_local of DESIGN.md, the sum of w_t * CE_t over the targets; the trainer divides it by the
+step's denominator (the sum of ``loss_weights`` over all micro-batches and ranks of the step).
+
+Memory: only the target positions are gathered, and their logits are computed ``chunk_size`` rows at a
+time, in the model's dtype and upcast to float32 per chunk (as transformers' own loss upcasts); softmax
+and cross-entropy run in float32. Backward recomputes each chunk's logits instead of storing them, so the
+loss holds one float32 ``[chunk_size, V]`` buffer at a time (two with a soft-cap; plus the model-dtype
+product before the upcast when the model is not float32; 2 GiB at 4096 x 128k), and the head's gradient
+is summed over chunks in a float32 ``[V, H]`` buffer. ``benchmarks/loss_memory.py`` compares it with
+transformers' full-logits loss.
+"""
+
+from __future__ import annotations
+
+import re
+import types
+from collections.abc import Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+# Batch keys the model sees; labels and loss_weights stay out, so the model computes no loss of its own.
+MODEL_INPUT_KEYS = (
+    "input_ids",
+    "position_ids",
+    "cu_seq_lens_q",
+    "cu_seq_lens_k",
+    "max_length_q",
+    "max_length_k",
+)
+
+
+def _logits(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    logit_scale: float | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Float32 logits of one chunk: ``softcap * tanh(scale * (h W^T + b) / softcap)``."""
+    logits = nn.functional.linear(hidden, weight, bias).float()
+    if logit_scale is not None:
+        logits *= logit_scale
+    if softcap is not None:
+        logits.div_(softcap).tanh_().mul_(softcap)
+    return logits
+
+
+def _chunk_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    target_weights: torch.Tensor,
+    logit_scale: float | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """sum_t w_t * CE_t over one chunk; the logits are the only ``[rows, V]`` buffer (softmax in place)."""
+    logits = _logits(hidden, weight, bias, logit_scale, softcap)
+    target_logits = logits.gather(1, targets[:, None]).squeeze(1)
+    row_max = logits.amax(1, keepdim=True)
+    log_sum_exp = row_max.squeeze(1) + logits.sub_(row_max).exp_().sum(1).log()
+    return (target_weights * (log_sum_exp - target_logits)).sum()
+
+
+def _chunk_backward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    target_weights: torch.Tensor,
+    logit_scale: float | None,
+    softcap: float | None,
+    grad_hidden: torch.Tensor | None,
+    grad_weight: torch.Tensor | None,
+    grad_bias: torch.Tensor | None,
+) -> None:
+    """Recompute one chunk's logits and add its gradients into ``grad_*`` (the ones that are not None)."""
+    logits = _logits(hidden, weight, bias, logit_scale, softcap)
+    # softcap * tanh(u / softcap) has slope 1 - (logits / softcap)^2; taken before the softmax overwrites.
+    softcap_slope = (logits / softcap).square_().neg_().add_(1) if softcap is not None else None
+    grad = logits.sub_(logits.amax(1, keepdim=True)).exp_()
+    grad /= grad.sum(1, keepdim=True)  # softmax, in place
+    grad[torch.arange(len(grad), device=grad.device), targets] -= 1
+    grad *= target_weights[:, None]
+    if softcap_slope is not None:
+        grad *= softcap_slope
+    if logit_scale is not None:
+        grad *= logit_scale
+    if grad_bias is not None:
+        grad_bias += grad.sum(0)
+    grad = grad.to(weight.dtype)
+    if grad_hidden is not None:
+        torch.mm(grad, weight, out=grad_hidden)
+    if grad_weight is not None:
+        if weight.dtype == torch.float32:
+            grad_weight.addmm_(grad.t(), hidden)  # in place: no [V, H] temporary
+        else:
+            grad_weight += grad.t() @ hidden  # product in the model dtype, summed over chunks in fp32
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """sum_t w_t * CE(head(h_t), y_t) over rows of ``hidden`` that are all targets, chunk by chunk."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        target_weights: torch.Tensor,
+        logit_scale: float | None,
+        softcap: float | None,
+        chunk_size: int,
+    ) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for rows in _chunks(len(targets), chunk_size):
+            total += _chunk_loss(
+                hidden[rows], weight, bias, targets[rows], target_weights[rows], logit_scale, softcap
+            )
+        ctx.save_for_backward(hidden, weight, bias, targets, target_weights)
+        ctx.logit_scale, ctx.softcap, ctx.chunk_size = logit_scale, softcap, chunk_size
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad_total: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        hidden, weight, bias, targets, target_weights = ctx.saved_tensors
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if need_bias else None
+        target_weights = target_weights * grad_total
+        for rows in _chunks(len(targets), ctx.chunk_size):
+            _chunk_backward(
+                hidden[rows],
+                weight,
+                bias,
+                targets[rows],
+                target_weights[rows],
+                ctx.logit_scale,
+                ctx.softcap,
+                grad_hidden[rows] if grad_hidden is not None else None,
+                grad_weight,
+                grad_bias,
+            )
+        grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
+        grad_bias = grad_bias.to(bias.dtype) if grad_bias is not None else None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+
+
+def _chunks(length: int, chunk_size: int) -> list[slice]:
+    return [slice(start, start + chunk_size) for start in range(0, length, chunk_size)]
+
+
+def weighted_token_loss(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    loss_weights: torch.Tensor,
+    *,
+    lm_head_bias: torch.Tensor | None = None,
+    logit_scale: float | None = None,
+    final_logit_softcap: float | None = None,
+    chunk_size: int = 4096,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Sum over targets of ``w * cross_entropy`` (float32 scalar), shifting inside each row.
+
+    ``hidden`` is ``[..., T, H]`` and ``labels`` / ``loss_weights`` are ``[..., T]`` (``[T]``, ``[1, T]``
+    or a padded ``[B, T]``); ``hidden[..., t, :]`` predicts ``labels[..., t + 1]`` with weight
+    ``loss_weights[..., t + 1]``. Positions whose label is ``ignore_index`` or whose weight is 0 are
+    skipped before any logits are computed; with no targets at all the result is exactly 0 and the
+    gradient is zero. ``chunk_size`` counts target tokens per logits chunk::
+
+        labels        -   a1  a2 | -   b1        (one row, two samples)
+        loss_weights  0  .5  .5  | 0   1
+        hidden        h0  h1  h2 | h3  h4
+        result = .5 * CE(h0 -> a1) + .5 * CE(h1 -> a2) + 1 * CE(h3 -> b1)     (h2, h4 predict nothing)
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size: must be >= 1, got {chunk_size}")
+    if hidden.shape[:-1] != labels.shape or labels.shape != loss_weights.shape:
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} must be labels {tuple(labels.shape)} + (H,), "
+            f"and loss_weights {tuple(loss_weights.shape)} must match labels"
+        )
+    row_length = labels.shape[-1]
+    next_labels = labels.reshape(-1)[1:]
+    next_weights = loss_weights.reshape(-1)[1:]
+    position = torch.arange(1, labels.numel(), device=labels.device)
+    # Position p predicts label p + 1 unless p + 1 starts the next row of a [B, T] batch.
+    is_target = (next_labels != ignore_index) & (next_weights != 0) & (position % row_length != 0)
+    rows = is_target.nonzero().squeeze(1)
+    return _ChunkedLinearCrossEntropy.apply(
+        hidden.reshape(-1, hidden.shape[-1])[rows],
+        lm_head_weight,
+        lm_head_bias,
+        next_labels[rows],
+        next_weights[rows].float(),
+        logit_scale,
+        final_logit_softcap,
+        chunk_size,
+    )
+
+
+@dataclass(frozen=True)
+class LMHead:
+    """What the chunked loss needs of a model's output layer: logits = softcap(scale * (h W^T + b))."""
+
+    weight: torch.Tensor  # [V, H]
+    bias: torch.Tensor | None
+    logit_scale: float | None  # multiplies the logits; None = 1
+    final_logit_softcap: float | None  # softcap * tanh(logits / softcap); None = no cap
+
+
+# Config fields that transform the logits, and the factor each puts on them.
+_LOGIT_SCALE_FIELDS = {
+    "logit_scale": lambda value: value,  # Cohere: logits * logit_scale
+    "lm_head_multiplier": lambda value: value,  # Falcon-H1: logits * lm_head_multiplier
+    "logits_scaling": lambda value: 1 / value,  # Granite: logits / logits_scaling
+}
+_SOFTCAP_FIELD = "final_logit_softcapping"  # Gemma 2/3: softcap * tanh(logits / softcap)
+# Other config fields that look like they touch the logits (unsupported unless None); attention and
+# router soft-caps and initialisation values act elsewhere.
+_LOGIT_LIKE_FIELD = re.compile(r"(logit|lm_head|output).*(scal|mult|cap)|(scal|mult|cap).*logit")
+_NOT_OUTPUT_FIELD = re.compile(r"attn|attention|router|init")
+
+
+def lm_head_spec(model: nn.Module) -> LMHead:
+    """The output layer of a transformers causal LM, with any logit scale or soft-cap from its config.
+
+    Raises ``ValueError`` naming the module class or config field when the model's logits are computed
+    in a way this loss does not reproduce. Read it every step, after ``forward_hidden``: sharding
+    backends may swap the parameter objects between steps.
+    """
+    head = model.get_output_embeddings()
+    if type(head) is not nn.Linear:
+        raise ValueError(
+            f"{type(model).__name__}: output layer is {type(head).__name__}, the chunked loss supports a "
+            "plain torch.nn.Linear (not quantized or adapter-wrapped)"
+        )
+    config = model.config.get_text_config()
+    for name, value in config.to_dict().items():
+        if value is not None and _LOGIT_LIKE_FIELD.search(name) and not _NOT_OUTPUT_FIELD.search(name):
+            if name not in _LOGIT_SCALE_FIELDS and name != _SOFTCAP_FIELD:
+                raise ValueError(_unsupported_field(model, name, value))
+    scale = 1.0
+    # getattr, not to_dict: some configs (MiniCPM3's logits_scaling) derive the field as a property.
+    for name, factor in _LOGIT_SCALE_FIELDS.items():
+        value = getattr(config, name, None)
+        if value is not None:
+            if not isinstance(value, int | float):
+                raise ValueError(_unsupported_field(model, name, value))
+            scale *= factor(value)
+    softcap = getattr(config, _SOFTCAP_FIELD, None)
+    if softcap is not None and not isinstance(softcap, int | float):
+        raise ValueError(_unsupported_field(model, _SOFTCAP_FIELD, softcap))
+    return LMHead(
+        weight=head.weight,
+        bias=head.bias,
+        logit_scale=None if scale == 1.0 else float(scale),
+        final_logit_softcap=None if softcap is None else float(softcap),
+    )
+
+
+def _unsupported_field(model: nn.Module, name: str, value: Any) -> str:
+    return (
+        f"{type(model).__name__}: config field {name!r} = {value!r} changes the logits in a way the "
+        "chunked loss does not apply"
+    )
+
+
+@contextmanager
+def loss_in_lm_head(model: nn.Module, batch: Mapping[str, Any], *, chunk_size: int, ignore_index: int):
+    """Make the (unwrapped) model's LM head return the weighted loss sum ``S`` instead of logits.
+
+    While the block runs, ``model(...)`` returns ``S`` with shape ``[1, 1, 1]`` as its ``logits``; the full
+    ``[tokens, vocab]`` logits never exist. Models that transform the logits after the head (a logit scale
+    or soft-cap) would transform ``S`` too, so they are refused.
+    """
+    spec = lm_head_spec(model)
+    if spec.logit_scale is not None or spec.final_logit_softcap is not None:
+        raise ValueError(
+            f"{type(model).__name__}: the model scales or soft-caps its logits after the LM head, which the "
+            "loss computed inside the LM head cannot follow"
+        )
+    head = model.get_output_embeddings()
+    labels, weights = batch["labels"], batch["loss_weights"]
+
+    def forward(self: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+        total = weighted_token_loss(
+            hidden,
+            self.weight,
+            labels,
+            weights,
+            lm_head_bias=self.bias,
+            chunk_size=chunk_size,
+            ignore_index=ignore_index,
+        )
+        return total.reshape(1, 1, 1)
+
+    head.forward = types.MethodType(forward, head)
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+def weighted_loss_sum(
+    model: nn.Module, batch: Mapping[str, Any], *, chunk_size: int = 4096, ignore_index: int = -100
+) -> torch.Tensor:
+    """One micro-batch's ``S = sum_t w_t * CE_t`` (float32 scalar) through the model's own forward.
+
+    ``model`` may be wrapped (DDP, FSDP, DeepSpeed: anything exposing ``.module``); the LM head is found on
+    the model inside. Every position of the batch reaches the head (``logits_to_keep=0``).
+    """
+    inner = model
+    while hasattr(inner, "module"):
+        inner = inner.module
+    inputs = {key: batch[key] for key in MODEL_INPUT_KEYS if key in batch}
+    with loss_in_lm_head(inner, batch, chunk_size=chunk_size, ignore_index=ignore_index):
+        outputs = model(**inputs, use_cache=False, logits_to_keep=0)
+    return outputs.logits.reshape(())

@@ -1,0 +1,283 @@
+import pytest
+import torch
+from torch.nn import functional as F
+from transformers import (
+    CohereConfig,
+    CohereForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    GraniteConfig,
+    GraniteForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
+
+from longalign.data import PackCollator, PaddedCollator
+from longalign.loss import lm_head_spec, weighted_loss_sum, weighted_token_loss
+
+X = -100
+VOCAB, HIDDEN = 37, 16
+TINY = {
+    "vocab_size": VOCAB,
+    "hidden_size": HIDDEN,
+    "intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 4,
+    "max_position_embeddings": 64,
+}
+
+
+def reference_loss(hidden, weight, labels, loss_weights, bias=None, scale=None, softcap=None):
+    """Full [T, V] logits and F.cross_entropy, one row at a time: the definition the chunked loss must meet."""
+    logits = F.linear(hidden, weight, bias).float()
+    if scale is not None:
+        logits = logits * scale
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    ce = F.cross_entropy(
+        logits[..., :-1, :].transpose(-1, -2), labels[..., 1:], ignore_index=X, reduction="none"
+    )
+    return (loss_weights[..., 1:] * ce).sum()
+
+
+# Two packs of (length, prompt tokens) samples; the prompt is -100, the rest targets; (3, 3) has none.
+PACK_SHAPES = ([(5, 2), (9, 4), (4, 0)], [(7, 3), (3, 3)])
+
+
+def random_packs(seed: int) -> list[dict[str, list[int]]]:
+    generator = torch.Generator().manual_seed(seed)
+    packs = []
+    for shapes in PACK_SHAPES:
+        ids, labels = [], []
+        for length, prompt in shapes:
+            tokens = torch.randint(0, VOCAB, (length,), generator=generator).tolist()
+            ids += tokens
+            labels += [X] * prompt + tokens[prompt:]
+        cu_seqlens = torch.tensor([0] + [length for length, _ in shapes]).cumsum(0).tolist()
+        packs.append({"input_ids": ids, "labels": labels, "cu_seqlens": cu_seqlens})
+    return packs
+
+
+def leaves(seed: int, num_tokens: int, bias: bool):
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(1, num_tokens, HIDDEN, generator=generator, requires_grad=True)
+    weight = torch.randn(VOCAB, HIDDEN, generator=generator).mul_(0.5).requires_grad_()
+    bias = torch.randn(VOCAB, generator=generator).requires_grad_() if bias else None
+    return hidden, weight, bias
+
+
+@pytest.mark.parametrize("weighting", ["sequence_level", "token_level"])
+@pytest.mark.parametrize("chunk_size", [1, 4, 7, 4096])
+@pytest.mark.parametrize(("scale", "softcap"), [(None, None), (0.25, None), (None, 3.0), (1.7, 2.5)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_chunked_loss_equals_full_logits(weighting, chunk_size, scale, softcap, bias):
+    batch = PackCollator(weighting=weighting)(random_packs(seed=chunk_size))
+    hidden, weight, bias = leaves(seed=1, num_tokens=batch["labels"].shape[1], bias=bias)
+    labels, weights = batch["labels"], batch["loss_weights"]
+    params = [p for p in (hidden, weight, bias) if p is not None]
+
+    expected = reference_loss(hidden, weight, labels, weights, bias, scale, softcap)
+    expected_grads = torch.autograd.grad(expected, params)
+    loss = weighted_token_loss(
+        hidden,
+        weight,
+        labels,
+        weights,
+        lm_head_bias=bias,
+        logit_scale=scale,
+        final_logit_softcap=softcap,
+        chunk_size=chunk_size,
+    )
+    grads = torch.autograd.grad(loss, params)
+
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+    for grad, expected_grad in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(grad, expected_grad, rtol=1e-4, atol=1e-5)
+
+
+def test_padded_batch_gives_the_packed_loss():
+    """[B, L] rows shift per row: the padded baseline and the packed row agree sample by sample."""
+    pack = random_packs(seed=3)[0]
+    starts, ends = pack["cu_seqlens"][:-1], pack["cu_seqlens"][1:]
+    samples = [
+        {key: pack[key][a:b] for key in ("input_ids", "labels")} for a, b in zip(starts, ends, strict=True)
+    ]
+    packed = PackCollator(weighting="sequence_level")([pack])
+    padded = PaddedCollator(weighting="sequence_level")(samples)
+    hidden, weight, _ = leaves(seed=4, num_tokens=len(pack["input_ids"]), bias=False)
+    padded_hidden = torch.randn(*padded["labels"].shape, HIDDEN)  # padding rows: any value
+    padded_hidden[padded["attention_mask"].bool()] = hidden[0].detach()
+    loss_packed = weighted_token_loss(hidden, weight, packed["labels"], packed["loss_weights"], chunk_size=3)
+    loss_padded = weighted_token_loss(
+        padded_hidden, weight, padded["labels"], padded["loss_weights"], chunk_size=3
+    )
+    torch.testing.assert_close(loss_padded, loss_packed)
+
+
+def test_rows_of_a_batch_shift_separately():
+    """In [B, T] the last position of row 0 does not predict the first label of row 1."""
+    hidden, weight, _ = leaves(seed=10, num_tokens=10, bias=False)
+    hidden = hidden.detach().reshape(2, 5, HIDDEN)
+    labels = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(10))
+    weights = torch.ones(2, 5)
+    expected = reference_loss(hidden, weight, labels, weights)
+    torch.testing.assert_close(weighted_token_loss(hidden, weight, labels, weights, chunk_size=3), expected)
+
+
+def test_samples_without_targets_contribute_nothing():
+    hidden, weight, _ = leaves(seed=5, num_tokens=6, bias=False)
+    labels = torch.tensor([[X, 3, 4, X, X, X]])  # second sample (positions 3-5) has no targets
+    weights = torch.tensor([[0.0, 0.5, 0.5, 0, 0, 0]])
+    loss = weighted_token_loss(hidden, weight, labels, weights, chunk_size=2)
+    loss.backward()
+    torch.testing.assert_close(
+        loss, weighted_token_loss(hidden[:, :3], weight, labels[:, :3], weights[:, :3])
+    )
+    assert torch.all(hidden.grad[0, 2:] == 0)  # h2 predicts the masked boundary label, h3-h5 nothing
+
+    # A target label with weight 0, a weight on a non-target, and NaN hidden states there (as padding rows
+    # can have): never computed, so exactly 0 and no NaN gradient.
+    labels, weights = torch.tensor([X, 5, X, 7]), torch.tensor([0.0, 0.0, 3.0, 0.0])
+    garbage = torch.full((4, HIDDEN), float("nan"), requires_grad=True)
+    loss = weighted_token_loss(garbage, weight, labels, weights)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert torch.equal(garbage.grad, torch.zeros_like(garbage)) and torch.isfinite(weight.grad).all()
+
+
+def test_no_targets_at_all_is_exactly_zero_with_zero_gradient():
+    hidden, weight, bias = leaves(seed=6, num_tokens=5, bias=True)
+    loss = weighted_token_loss(hidden, weight, torch.full((1, 5), X), torch.zeros(1, 5), lm_head_bias=bias)
+    loss.backward()
+    assert loss.item() == 0.0
+    for param in (hidden, weight, bias):
+        assert torch.equal(param.grad, torch.zeros_like(param))
+
+
+def test_bf16_matches_the_bf16_full_logits_path():
+    batch = PackCollator(weighting="token_level")(random_packs(seed=7))
+    hidden, weight, _ = leaves(seed=8, num_tokens=batch["labels"].shape[1], bias=False)
+    hidden = hidden.detach().bfloat16().requires_grad_()
+    weight = weight.detach().bfloat16().requires_grad_()
+    args = (hidden, weight, batch["labels"], batch["loss_weights"])
+    expected = reference_loss(*args)
+    expected_grads = torch.autograd.grad(expected, (hidden, weight))
+    loss = weighted_token_loss(*args, chunk_size=5)
+    grads = torch.autograd.grad(loss, (hidden, weight))
+    assert grads[0].dtype == grads[1].dtype == torch.bfloat16
+    torch.testing.assert_close(loss, expected)
+    for grad, expected_grad in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(grad, expected_grad, rtol=2e-2, atol=2e-3)
+
+
+def test_shape_mismatch_is_an_error():
+    with pytest.raises(ValueError, match="loss_weights"):
+        weighted_token_loss(torch.zeros(1, 4, 2), torch.zeros(3, 2), torch.zeros(1, 4).long(), torch.zeros(4))
+
+
+@pytest.fixture(scope="module")
+def llama():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**TINY)).eval()
+
+
+def test_weighted_loss_sum_equals_full_logits_and_keeps_samples_apart(llama):
+    batch = PackCollator()(random_packs(seed=9))
+    with torch.no_grad():
+        total = weighted_loss_sum(llama, batch, chunk_size=5)
+        logits = llama(
+            input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
+        ).logits
+        hidden = llama.model(
+            input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
+        )
+    expected = reference_loss(
+        hidden.last_hidden_state, llama.lm_head.weight, batch["labels"], batch["loss_weights"]
+    )
+    torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-5)
+    # Each sample scored alone gives the same sum: the varlen keys reached attention through the swapped head.
+    alone = 0.0
+    cu_seqlens = batch["cu_seq_lens_q"].tolist()
+    for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True):
+        with torch.no_grad():
+            logits = llama(input_ids=batch["input_ids"][:, start:end], use_cache=False).logits
+        ce = F.cross_entropy(
+            logits[0, :-1], batch["labels"][0, start + 1 : end], ignore_index=X, reduction="none"
+        )
+        alone += float((batch["loss_weights"][0, start + 1 : end] * ce).sum())
+    assert float(total) == pytest.approx(alone, rel=1e-5)
+    assert type(llama.lm_head).forward is torch.nn.Linear.forward and "forward" not in vars(llama.lm_head)
+
+
+def test_boundary_next_sample_first_token_does_not_change_previous_loss(llama):
+    """Changing B's first token changes nothing in A's loss: A's last token has no target after it."""
+
+    def loss_of_a(first_of_b: int, collate: bool) -> torch.Tensor:
+        ids = [5, 6, 7, 8, first_of_b, 9, 10]
+        pack = {"input_ids": ids, "labels": ids, "cu_seqlens": [0, 4, 7]}
+        batch = PackCollator(weighting="token_level")([pack])
+        if not collate:
+            batch["labels"] = torch.tensor([ids])  # without the boundary masking
+        # Weight 1 on A's targets and on the label that follows A, whoever it belongs to.
+        batch["loss_weights"] = torch.tensor([[0.0] + [1.0] * 4 + [0.0] * 2])
+        with torch.no_grad():
+            return weighted_loss_sum(llama, batch)
+
+    assert loss_of_a(11, collate=True) == loss_of_a(12, collate=True)
+    assert loss_of_a(11, collate=False) != loss_of_a(12, collate=False)  # the test can fail
+
+
+@pytest.mark.parametrize(
+    ("model_class", "config", "expected"),
+    [
+        (CohereForCausalLM, CohereConfig(**TINY, logit_scale=0.5), (0.5, None)),
+        (GraniteForCausalLM, GraniteConfig(**TINY, logits_scaling=4.0), (0.25, None)),
+        (Gemma2ForCausalLM, Gemma2Config(**TINY, final_logit_softcapping=2.0), (None, 2.0)),
+    ],
+    ids=["cohere", "granite", "gemma2"],
+)
+def test_logit_transforms_are_read_and_refused_in_training(model_class, config, expected):
+    torch.manual_seed(0)
+    model = model_class(config).eval()
+    spec = lm_head_spec(model)
+    assert (spec.logit_scale, spec.final_logit_softcap) == expected
+    # The functional loss applies them and reproduces the model's own loss ...
+    ids = torch.randint(0, VOCAB, (1, 12))
+    labels = ids.clone()
+    labels[0, :4] = X
+    batch = PaddedCollator(weighting="token_level")([{"input_ids": ids[0], "labels": labels[0]}])
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
+        loss = weighted_token_loss(
+            hidden,
+            spec.weight,
+            batch["labels"],
+            batch["loss_weights"],
+            lm_head_bias=spec.bias,
+            logit_scale=spec.logit_scale,
+            final_logit_softcap=spec.final_logit_softcap,
+            chunk_size=3,
+        )
+        stock = model(input_ids=ids, labels=labels, use_cache=False).loss  # token mean over the targets
+    torch.testing.assert_close(loss / batch["loss_weights"].sum(), stock)
+    # ... but the model would transform the loss returned through its head, so training refuses them.
+    with pytest.raises(ValueError, match="scales or soft-caps its logits"):
+        weighted_loss_sum(model, batch)
+
+
+def test_lm_head_spec_rejects_what_it_cannot_apply(llama):
+    config = LlamaConfig(**TINY)
+    config.output_multiplier = 2.0
+    model = LlamaForCausalLM(config)
+    with pytest.raises(ValueError, match="config field 'output_multiplier' = 2.0"):
+        lm_head_spec(model)
+
+    class ScaledHead(torch.nn.Linear):
+        pass
+
+    model.lm_head = ScaledHead(HIDDEN, VOCAB, bias=False)
+    with pytest.raises(ValueError, match="output layer is ScaledHead"):
+        lm_head_spec(model)
