@@ -21,20 +21,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any
 
 import torch
 
-Weighting = Literal["sequence_level", "token_level"]
+from longalign.config import WEIGHTINGS
 
 
 def _check_weighting(weighting: str) -> None:
-    if weighting not in get_args(Weighting):
-        raise ValueError(f"weighting: {weighting!r} is not one of {', '.join(get_args(Weighting))}")
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"weighting: {weighting!r} is not one of {', '.join(WEIGHTINGS)}")
 
 
 def mask_and_weigh(
-    labels: torch.Tensor, seq_lens: torch.Tensor, weighting: Weighting, ignore_index: int = -100
+    labels: torch.Tensor, seq_lens: torch.Tensor, weighting: str, ignore_index: int = -100
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mask the first label of every sample and return ``(labels, loss_weights)`` for a flat row.
 
@@ -70,7 +70,7 @@ class PackCollator:
     (``sequence_level``, up to float32 rounding of the 1 / N_i, about 1e-7 relative).
     """
 
-    weighting: Weighting = "sequence_level"
+    weighting: str = "sequence_level"
     ignore_index: int = -100
 
     def __post_init__(self) -> None:
@@ -126,7 +126,7 @@ class PaddedCollator:
                                          attention_mask [[1 1 1], [1 1 0]]
     """
 
-    weighting: Weighting = "sequence_level"
+    weighting: str = "sequence_level"
     ignore_index: int = -100
     pad_token_id: int = 0  # any id works: padded positions are masked out of attention and loss
 
