@@ -123,3 +123,24 @@ def test_to_dict_is_flat_tables(tmp_path):
     assert list(out) == ["data", "packing", "loss", "training", "model"]
     assert out["training"]["per_device_train_batch_size"] == 2 and "args" not in out["training"]
     assert out["model"]["use_flash_attention"] is False
+
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+@pytest.mark.parametrize("name", ["demo.toml", "llama3_8b_64k.toml", "glm4_9b_64k.toml"])
+def test_shipped_run_configs_load(name):
+    cfg = load_config(CONFIGS / name)
+    assert cfg.data.train_file and cfg.data.max_seq_len >= 4096
+    if name != "demo.toml":  # the GPU configs train in bf16 with activation checkpointing
+        assert cfg.training.args["bf16"] and cfg.training.args["activation_checkpointing"]
+        assert cfg.data.max_seq_len == 65536 and cfg.model.torch_dtype == "bfloat16"
+
+
+def test_deepspeed_sizes_are_integers():
+    """DeepSpeed >= 0.15 rejects float bucket sizes and thresholds (e.g. 5e7 written as a float)."""
+    import json
+
+    zero = json.loads((CONFIGS / "deepspeed" / "zero3.json").read_text())["zero_optimization"]
+    sizes = {k: v for k, v in zero.items() if k.endswith(("_size", "_threshold", "_parameters", "_distance"))}
+    assert sizes and all(type(v) is int for v in sizes.values()), sizes
