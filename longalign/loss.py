@@ -35,6 +35,7 @@ from torch import nn
 # Batch keys the model sees; labels and loss_weights stay out, so the model computes no loss of its own.
 MODEL_INPUT_KEYS = (
     "input_ids",
+    "attention_mask",
     "position_ids",
     "cu_seq_lens_q",
     "cu_seq_lens_k",
