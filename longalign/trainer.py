@@ -157,7 +157,7 @@ class LongAlignTrainer(Trainer):
         self.loss_chunk_size = loss_chunk_size
         self.ignore_index = ignore_index
         self.pack_seed = pack_seed
-        self._window = {"tokens": 0.0, "samples": 0.0, "packs": 0.0, "steps": 0, "start": time.perf_counter()}
+        self._window = {"tokens": 0.0, "samples": 0.0, "packs": 0.0, "steps": 0, "start": 0.0}
 
     # --- data ------------------------------------------------------------------------------------------
 
@@ -204,6 +204,8 @@ class LongAlignTrainer(Trainer):
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
         """Fetch the step's micro-batches and return the step's global denominator D with them."""
+        if self._window["steps"] == 0:  # a logging window starts with its first step, not at set-up
+            self._window["start"] = time.perf_counter()
         batches = []
         for _ in range(num_batches):
             try:
@@ -287,5 +289,5 @@ class LongAlignTrainer(Trainer):
             logs["packs_per_step"] = window["packs"] / window["steps"]
             if self.max_seq_len:
                 logs["packing_efficiency"] = round(window["tokens"] / (window["packs"] * self.max_seq_len), 4)
-            window.update(tokens=0.0, samples=0.0, packs=0.0, steps=0, start=time.perf_counter())
+            window.update(tokens=0.0, samples=0.0, packs=0.0, steps=0)
         super().log(logs, start_time)
