@@ -342,7 +342,12 @@ def process_line(text: str, tokenizer, *, max_seq_len: int, truncation: str) -> 
 def _tokenize_batch(
     batch: dict[str, list], *, tokenizer, max_seq_len: int, truncation: str
 ) -> dict[str, list]:
-    rows = [process_line(t, tokenizer, max_seq_len=max_seq_len, truncation=truncation) for t in batch["text"]]
+    rows = []
+    for text, line in zip(batch["text"], batch["line"], strict=True):
+        try:
+            rows.append(process_line(text, tokenizer, max_seq_len=max_seq_len, truncation=truncation))
+        except TemplateError as err:  # the template, not the line, is at fault: stop, naming where it showed
+            raise TemplateError(f"line {line}: {err}") from None
     out = {key: [r[key] for r in rows] for key in ("input_ids", "labels", "reason", "error", "truncated")}
     out["length"] = [len(r["input_ids"]) for r in rows]
     out["num_targets"] = [sum(t != IGNORE_INDEX for t in r["labels"]) for r in rows]

@@ -187,6 +187,16 @@ def test_template_that_rewrites_history_fails_loudly(base_tokenizer):
         check_chat_template(tok)
 
 
+def test_template_failing_on_one_line_stops_the_stage_naming_it(tmp_path, base_tokenizer, monkeypatch):
+    """A conversation the start-up check did not foresee still stops the run, naming its line."""
+    monkeypatch.setattr("longalign.tokenize.check_chat_template", lambda tokenizer: None)
+    tok = with_template(base_tokenizer, REWRITING)  # splits a one-answer chat, not a two-answer one
+    src = write_jsonl(tmp_path / "in.jsonl", [GOOD, {"messages": CHAT[1:]}])
+    with pytest.raises(TemplateError, match="line 2: chat template cannot be split"):
+        pre_tokenize(src, tok, tmp_path / "out", max_seq_len=256)
+    assert not (tmp_path / "out").exists()
+
+
 def test_template_check_needs_a_template(base_tokenizer):
     tok = with_template(base_tokenizer, None)
     with pytest.raises(TemplateError, match="no chat template"):
