@@ -23,6 +23,7 @@ import longalign.patch
 from longalign.artifacts import load_stage
 from longalign.config import Config, ConfigError, load_config
 from longalign.packing import write_packs
+from longalign.preflight import check_trainer, preflight_enabled
 from longalign.trainer import LongAlignTrainer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -117,6 +118,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"train.py: config error: {err}", file=sys.stderr)
         return 2
+    if preflight_enabled(cfg.training.preflight, trainer.args.world_size):
+        report = check_trainer(trainer, cfg)  # every rank takes part; all stop here if any disagrees
+        if trainer.is_world_process_zero():
+            print(report, flush=True)
+        if not report.ok:
+            return 1
     resume = trainer.args.resume_from_checkpoint
     if resume == "last":
         resume = get_last_checkpoint(trainer.args.output_dir)

@@ -1,0 +1,382 @@
+"""Preflight: every rank reports what it would train with, and the ranks must agree before the first step.
+
+Each rank collects a list of :class:`Check` values (library versions, the attention backend, fingerprints
+of the config, tokenizer and packed dataset, the environment variables the run depends on, a collective
+round trip, the host and device); rank 0 compares them and prints one table, one line per distinct value::
+
+    check              status   ranks  value
+    torch              ok       all    2.13.0+cpu
+    dataset            DIFFERS  0      3 packs, cu_seqlens a1dd6d869503
+                                1      2 packs, cu_seqlens e5ebf382f15a
+    device             info     0      cuda:0 NVIDIA H100 80GB HBM3, 79.1 GiB, 78.5 GiB free
+                                1      cuda:1 NVIDIA H100 80GB HBM3, 79.1 GiB, 77.9 GiB free
+
+    dataset: rank 1 differs from rank 0 (2 packs, ... vs 3 packs, ...). Fix: copy the same packed dataset ...
+
+Checks made with ``must_agree=False`` (host, device, free memory) are shown but never fail the preflight.
+``scripts/preflight.py`` runs it on its own; ``train.py`` runs it after building the trainer when
+``[training] preflight`` is true, or unset with more than one rank.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+import socket
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow.compute as pc
+import torch
+import torch.distributed as dist
+
+from longalign.attention import resolve_backend
+from longalign.config import Config
+
+# Checked by default; ``*`` matches any suffix. Names with a secret-looking part are shown as a hash.
+DEFAULT_ENV = (
+    "CUDA_VISIBLE_DEVICES",
+    "NCCL_*",
+    "PYTORCH_CUDA_ALLOC_CONF",
+    "HF_HOME",
+    "HF_HUB_OFFLINE",
+    "HF_TOKEN",
+)
+SECRET_PARTS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
+PACKAGES = ("torch", "transformers", "accelerate", "datasets", "longalign")
+FLASH_PACKAGES = ("flash-attn", "flash-attn-4")
+
+FIX_VERSIONS = "install the same package versions on every node (compare `pip freeze` between nodes)"
+FIX_BACKEND = (
+    "give every node the same GPU type and attention kernels (flash-attn), or pin model.attn_backend"
+)
+FIX_CONFIG = "launch every rank with the same config file and the same overrides"
+FIX_TOKENIZER = "point every rank at the same tokenizer files (model.tokenizer)"
+FIX_DATASET = "copy the same packed dataset to every node, or point data.{key} at shared storage"
+FIX_ENV = "export the same value of {name} on every node, or leave it unset everywhere"
+FIX_ALL_REDUCE = (
+    "check the collective backend's network settings (NCCL_SOCKET_IFNAME, NCCL_IB_*, firewalls, "
+    "MASTER_ADDR/MASTER_PORT)"
+)
+
+
+@dataclass(frozen=True)
+class Check:
+    """What one rank sees for one row of the table."""
+
+    name: str  # the row, e.g. "torch", "dataset", "env HF_TOKEN"
+    value: str  # compared across ranks (when must_agree) and shown
+    must_agree: bool = True  # False: may differ between ranks (device, free memory, host)
+    error: str | None = None  # the check itself failed on this rank
+    fix: str = ""  # what to do when ranks disagree or the check fails
+    detail: dict[str, str] | None = None  # parts of the value, to name the ones that differ
+
+
+@dataclass(frozen=True)
+class PreflightReport:
+    """The table rank 0 prints and one line per problem; ``ok`` when there is none."""
+
+    table: str
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def __str__(self) -> str:
+        problems = ["", *self.problems] if self.problems else []
+        return "\n".join([self.table, *problems, "preflight: " + ("ok" if self.ok else "FAILED")])
+
+
+def preflight_enabled(setting: bool | None, world_size: int) -> bool:
+    """``[training] preflight``: true or false as written; unset means on when there is more than one rank."""
+    return world_size > 1 if setting is None else setting
+
+
+def attempt(name: str, make: Callable[[], Check], fix: str = "") -> Check:
+    """``make()``, or a failed check named ``name`` that carries the error in one line."""
+    try:
+        return make()
+    except Exception as err:  # a check that cannot run on this rank is itself the finding
+        lines = str(err).strip().splitlines() or [""]
+        return Check(name, "-", error=f"{type(err).__name__}: {lines[0]}", fix=fix)
+
+
+def version_checks() -> list[Check]:
+    """Python and package versions; one row for flash-attn (FA2/FA3) and flash-attn-4, installed or not."""
+    checks = [Check("python", platform.python_version(), fix=FIX_VERSIONS)]
+    checks += [Check(package, _version(package) or "not installed", fix=FIX_VERSIONS) for package in PACKAGES]
+    flash = [f"{package} {_version(package)}" for package in FLASH_PACKAGES if _version(package)]
+    checks.append(Check("flash-attn", ", ".join(flash) or "not installed", fix=FIX_VERSIONS))
+    return checks
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def backend_check(device: torch.device, dtype: torch.dtype, backend: str) -> Check:
+    """The attention backend the run's attention calls resolve to on this rank's device and dtype."""
+    name = "attention backend"
+    where = f"{str(dtype).removeprefix('torch.')} on {device.type}"
+    return attempt(
+        name,
+        lambda: Check(name, f"{resolve_backend(device, dtype, backend=backend)} ({where})", fix=FIX_BACKEND),
+        FIX_BACKEND,
+    )
+
+
+def config_check(cfg: Config) -> Check:
+    """A fingerprint of the whole config; ``detail`` holds every ``section.key`` to name what differs."""
+    flat = {
+        f"{section}.{key}": json.dumps(value, sort_keys=True, default=str)
+        for section, table in cfg.to_dict().items()
+        for key, value in table.items()
+    }
+    return Check("config", _digest(json.dumps(flat, sort_keys=True)), fix=FIX_CONFIG, detail=flat)
+
+
+def tokenizer_check(tokenizer: Any) -> Check:
+    """A fingerprint of the tokenizer's vocabulary (added tokens included) and chat template.
+
+    ``detail`` separates the two, so a failure says which one differs.
+    """
+    vocab = sorted(tokenizer.get_vocab().items())
+    template = json.dumps(tokenizer.chat_template, sort_keys=True)
+    detail = {"vocabulary": _digest(json.dumps(vocab)), "chat template": _digest(template)}
+    value = f"{len(vocab)} tokens, {_digest(json.dumps(detail, sort_keys=True))}"
+    return Check("tokenizer", value, fix=FIX_TOKENIZER, detail=detail)
+
+
+def packs_check(name: str, packs: Any, key: str) -> Check:
+    """Row count and a hash of the ``cu_seqlens`` column of a packed dataset (whatever its int width)."""
+    column = packs.data.column("cu_seqlens").combine_chunks()
+    digest = hashlib.sha256()
+    for part in (pc.list_value_length(column), pc.list_flatten(column)):
+        digest.update(part.to_numpy(zero_copy_only=False).astype(np.int64).tobytes())
+    value = f"{len(packs):,} packs, cu_seqlens {digest.hexdigest()[:12]}"
+    return Check(name, value, fix=FIX_DATASET.format(key=key))
+
+
+def env_checks(names: Sequence[str], environ: Mapping[str, str]) -> list[Check]:
+    """One row per name or ``PREFIX*`` pattern; values of secret-looking names only as a short hash.
+
+    >>> [c.value for c in env_checks(["HOME", "NCCL_*", "HF_TOKEN"], {"HOME": "/h", "HF_TOKEN": "hf_x"})]
+    ['/h', '(none set)', 'sha256:f5618cd8']
+    """
+    checks = []
+    for name in names:
+        if "*" in name:
+            found = sorted(key for key in environ if fnmatch.fnmatchcase(key, name))
+            value = ", ".join(f"{key}={_shown(key, environ[key])}" for key in found) or "(none set)"
+        else:
+            value = _shown(name, environ[name]) if name in environ else "(unset)"
+        checks.append(Check(f"env {name}", value, fix=FIX_ENV.format(name=name)))
+    return checks
+
+
+def all_reduce_check(device: torch.device) -> Check:
+    """Sum each rank's ``rank + 1`` over all ranks: the collective the run depends on, round-tripped."""
+    name = "all-reduce"
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return Check(name, "single rank, nothing to reduce")
+
+    def reduce() -> Check:
+        world = dist.get_world_size()
+        total = torch.tensor([dist.get_rank() + 1.0], dtype=torch.float64, device=device)
+        dist.all_reduce(total)
+        expected = world * (world + 1) / 2
+        if total.item() != expected:
+            raise RuntimeError(f"sum {total.item():g}, expected {expected:g}")
+        return Check(name, f"ok, {world} ranks", fix=FIX_ALL_REDUCE)
+
+    return attempt(name, reduce, FIX_ALL_REDUCE)
+
+
+def device_checks(device: torch.device) -> list[Check]:
+    """Host, device and its free memory: shown for every rank, allowed to differ."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        where = f"{device} {torch.cuda.get_device_name(device)}, {total / 2**30:.1f} GiB"
+    else:
+        free, where = _available_host_memory(), str(device)
+    return [
+        Check("host", socket.gethostname(), must_agree=False),
+        Check("device", f"{where}, {free / 2**30:.1f} GiB free", must_agree=False),
+    ]
+
+
+def rank_checks(
+    cfg: Config,
+    *,
+    load_tokenizer: Callable[[], Any],
+    load_packs: Callable[[], Any],
+    load_eval_packs: Callable[[], Any] | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    env_names: Sequence[str] = DEFAULT_ENV,
+    environ: Mapping[str, str] | None = None,
+) -> list[Check]:
+    """Everything this rank reports. Loaders are called here, so a rank that cannot load still reports."""
+    environ = os.environ if environ is None else environ
+    checks = version_checks()
+    checks.append(backend_check(device, dtype, cfg.model.backend))
+    checks.append(config_check(cfg))
+    checks.append(attempt("tokenizer", lambda: tokenizer_check(load_tokenizer()), FIX_TOKENIZER))
+    fix = FIX_DATASET.format(key="train_file")
+    checks.append(attempt("dataset", lambda: packs_check("dataset", load_packs(), "train_file"), fix))
+    if load_eval_packs is not None:
+        fix = FIX_DATASET.format(key="eval_file")
+        checks.append(
+            attempt("eval dataset", lambda: packs_check("eval dataset", load_eval_packs(), "eval_file"), fix)
+        )
+    checks += env_checks(env_names, environ)
+    checks.append(all_reduce_check(device))
+    checks += device_checks(device)
+    return checks
+
+
+def gather_checks(checks: list[Check]) -> list[list[Check]]:
+    """Every rank's checks, on every rank (``all_gather_object``); just ours on a single rank."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [checks]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, checks)
+    return out
+
+
+def compare(reports: list[list[Check]]) -> PreflightReport:
+    """The table of every rank's checks, and one line per problem naming the ranks and the fix.
+
+    ``reports[r]`` is rank r's list. Where ranks disagree, the value most ranks hold (rank 0's on a
+    tie) is the reference and the others are named::
+
+        rank 0: torch 2.13.0, rank 1: torch 2.12.1
+        -> "torch: rank 1 differs from rank 0 (2.12.1 vs 2.13.0). Fix: install the same package versions ..."
+    """
+    names = list(dict.fromkeys(check.name for report in reports for check in report))
+    by_rank = [{check.name: check for check in report} for report in reports]
+    missing = Check("", "(not reported)")
+    rows, problems = [], []
+    for name in names:
+        checks = [ranks.get(name, missing) for ranks in by_rank]
+        groups: dict[str, list[int]] = {}
+        for rank, check in enumerate(checks):
+            groups.setdefault(_shown_value(check), []).append(rank)
+        must_agree = any(check.must_agree for check in checks)
+        failed = [rank for rank, check in enumerate(checks) if check.error]
+        fix = next((check.fix for check in checks if check.fix), "")
+        if failed:
+            status = "FAILED"
+            where = f" on {_ranks(failed, word=True)}" if len(reports) > 1 else ""
+            problems.append(f"{name}: failed{where}: {checks[failed[0]].error}. Fix: {fix}")
+        elif len(groups) > 1 and must_agree:
+            status = "DIFFERS"
+            problems.append(_disagreement(name, groups, checks, fix))
+        else:
+            status = "ok" if must_agree else "info"
+        for i, (value, ranks) in enumerate(groups.items()):
+            shown_ranks = "all" if len(groups) == 1 and len(reports) > 1 else _ranks(ranks)
+            rows.append((name if i == 0 else "", status if i == 0 else "", shown_ranks, value))
+    widths = [max(len(row[i]) for row in [("check", "status", "ranks", "")] + rows) for i in range(3)]
+    header = f"preflight: {len(reports)} rank{'s' if len(reports) > 1 else ''}"
+    lines = [header, _row(("check", "status", "ranks", "value"), widths)]
+    lines += [_row(row, widths) for row in rows]
+    return PreflightReport("\n".join(lines), problems)
+
+
+def run_preflight(cfg: Config, **kwargs: Any) -> PreflightReport:
+    """Collect this rank's checks (see :func:`rank_checks` for the arguments), gather and compare them."""
+    return compare(gather_checks(rank_checks(cfg, **kwargs)))
+
+
+def compute_dtype(model_dtype: torch.dtype, *, bf16: bool, fp16: bool) -> torch.dtype:
+    """The dtype attention sees: mixed precision's autocast type, else the model's own."""
+    return torch.bfloat16 if bf16 else torch.float16 if fp16 else model_dtype
+
+
+def check_trainer(trainer: Any, cfg: Config, env_names: Sequence[str] = DEFAULT_ENV) -> PreflightReport:
+    """The preflight of a built ``LongAlignTrainer``: its tokenizer, packs, device and precision."""
+    args = trainer.args
+    return run_preflight(
+        cfg,
+        load_tokenizer=lambda: trainer.processing_class,
+        load_packs=lambda: trainer.train_dataset,
+        load_eval_packs=(lambda: trainer.eval_dataset) if trainer.eval_dataset is not None else None,
+        device=args.device,
+        dtype=compute_dtype(trainer.model.dtype, bf16=args.bf16, fp16=args.fp16),
+        env_names=env_names,
+    )
+
+
+def _disagreement(name: str, groups: dict[str, list[int]], checks: list[Check], fix: str) -> str:
+    reference = max(groups, key=lambda value: (len(groups[value]), 0 in groups[value]))
+    odd = sorted(rank for value, ranks in groups.items() if value != reference for rank in ranks)
+    ref_ranks = groups[reference]
+    others = f"rank {ref_ranks[0]}" if len(ref_ranks) == 1 else f"the other {len(ref_ranks)} ranks"
+    verb = "differs" if len(odd) == 1 else "differ"
+    sample = checks[odd[0]]
+    base = checks[ref_ranks[0]]
+    what = f"{_shown_value(sample)} vs {reference}"
+    if sample.detail is not None and base.detail is not None:
+        keys = sorted(
+            k for k in sample.detail.keys() | base.detail.keys() if sample.detail.get(k) != base.detail.get(k)
+        )
+        what = ", ".join(
+            f"{k} {sample.detail.get(k, '(absent)')} vs {base.detail.get(k, '(absent)')}" for k in keys[:5]
+        )
+    return f"{name}: {_ranks(odd, word=True)} {verb} from {others} ({what}). Fix: {fix}"
+
+
+def _shown_value(check: Check) -> str:
+    return f"ERROR {check.error}" if check.error else check.value
+
+
+def _ranks(ranks: list[int], word: bool = False) -> str:
+    """``[0, 1, 2, 5] -> "0-2,5"``; with ``word``, ``"ranks 0-2,5"`` or ``"rank 5"``."""
+    spans: list[list[int]] = []
+    for rank in sorted(ranks):
+        if spans and rank == spans[-1][1] + 1:
+            spans[-1][1] = rank
+        else:
+            spans.append([rank, rank])
+    text = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+    return f"rank{'s' if len(ranks) > 1 else ''} {text}" if word else text
+
+
+def _row(cells: tuple[str, str, str, str], widths: list[int]) -> str:
+    return (
+        "  ".join(cell.ljust(width) for cell, width in zip(cells[:3], widths, strict=True)) + "  " + cells[3]
+    )
+
+
+def _shown(name: str, value: str) -> str:
+    """The value of env var ``name`` as the table shows it: secrets as a short hash, never in clear."""
+    if any(part in name.upper() for part in SECRET_PARTS):
+        return f"sha256:{_digest(value, 8)}"
+    return value
+
+
+def _digest(text: str, length: int = 12) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:length]
+
+
+def _available_host_memory() -> int:
+    """MemAvailable on Linux (what can be allocated without swapping), else free pages."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

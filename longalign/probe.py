@@ -1,0 +1,405 @@
+"""Length-ladder memory probe: real training steps on a synthetic pack of each length, smallest first.
+
+``scripts/probe_memory.py`` runs every length in a fresh process that builds the run's own trainer (model,
+attention backend, precision, gradient checkpointing, sharding and loss chunking, all from the config)
+on synthetic packs of exactly that many tokens, and stops at the first length that fails. This module
+holds what needs no process management: length and size parsing, the synthetic packs, the measurement of
+the steps, the classification of a failure and the advice on what would raise the limit::
+
+    lengths "4k,8k,16k"  ->  [4096, 8192, 16384]
+    steps per length     ->  {"peak_bytes": ..., "step_start_bytes": ..., "step_seconds": ...}
+    first failure        ->  suggestions(cfg, ...)  ("turn on gradient checkpointing", ...)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import resource
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import Trainer, TrainerCallback
+
+from longalign.config import Config
+
+_LENGTH = re.compile(r"(\d+)([km]?)", re.IGNORECASE)
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)", re.IGNORECASE)
+_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+
+FITS = "fits"
+OUT_OF_MEMORY = "out of memory"
+ERROR = "error"
+STOPPED = "stopped"  # a rank's step was ended because another rank failed first
+
+
+def parse_length(text: str) -> int:
+    """A token count written as ``4k`` (4096), ``1m`` (1048576) or a plain integer.
+
+    >>> parse_length("64k"), parse_length("3000")
+    (65536, 3000)
+    """
+    match = _LENGTH.fullmatch(text.strip())
+    if not match or int(match[1]) == 0:
+        raise ValueError(f"length {text!r}: expected a positive token count such as 4096, 4k or 1m")
+    return int(match[1]) * 1024 ** _POWERS[match[2].lower()]
+
+
+def parse_lengths(text: str) -> list[int]:
+    """A comma-separated ladder of lengths, smallest first, without repeats.
+
+    >>> parse_lengths("16k,4k,8k,4096")
+    [4096, 8192, 16384]
+    """
+    return sorted({parse_length(part) for part in text.split(",") if part.strip()})
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``2GiB``, ``512MiB``, ``2G`` (binary, as the CUDA allocator counts) or ``2GB`` (decimal).
+
+    >>> parse_size("2GiB"), parse_size("2G"), parse_size("2GB"), parse_size("1000")
+    (2147483648, 2147483648, 2000000000, 1000)
+    """
+    match = _SIZE.fullmatch(text.strip())
+    if not match:
+        raise ValueError(f"memory size {text!r}: expected e.g. 80GiB, 512MiB, 2G or 2000000000")
+    number, power, binary, unit_b = match.groups()
+    decimal = bool(power) and bool(unit_b) and not binary
+    return int(float(number) * (1000 if decimal else 1024) ** _POWERS[power.lower()])
+
+
+def format_length(tokens: int) -> str:
+    """The short name of a length: ``4096 -> "4k"``, ``3000 -> "3000"``."""
+    if tokens % 1024**2 == 0:
+        return f"{tokens // 1024**2}m"
+    return f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
+
+
+def format_bytes(size: float | None) -> str:
+    """``1610612736 -> "1.50 GiB"``; ``None`` (not measured) -> ``"-"``."""
+    if size is None:
+        return "-"
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    power = 0
+    while size >= 1024 and power < len(units) - 1:
+        size /= 1024
+        power += 1
+    return f"{size:.0f} B" if power == 0 else f"{size:.2f} {units[power]}"
+
+
+def synthetic_seq_lens(total: int, *, seed: int = 0, shortest: int = 128) -> list[int]:
+    """Sample lengths that fill exactly ``total`` tokens: a seeded long-tail mix, as in real SFT data.
+
+    Lengths are drawn log-uniform between ``shortest`` and ``total`` (as many samples of 128-256 tokens
+    as of 8k-16k, so most samples are short and most tokens sit in a few long ones); the last one is
+    cut to fill the pack exactly.
+
+    >>> lens = synthetic_seq_lens(16384, seed=0)
+    >>> sum(lens), min(lens) > 0, max(lens) <= 16384
+    (16384, True, True)
+    """
+    rng = np.random.default_rng([seed, total])
+    low, high = np.log(min(shortest, total)), np.log(total)
+    seq_lens, left = [], total
+    while left:
+        length = min(int(np.exp(rng.uniform(low, high))), left)
+        seq_lens.append(length)
+        left -= length
+    return seq_lens
+
+
+def synthetic_pack(total: int, *, vocab_size: int, seed: int = 0) -> dict[str, list[int]]:
+    """A pack row of exactly ``total`` random tokens with :func:`synthetic_seq_lens` samples.
+
+    Every token is a target, the most the loss can cost::
+
+        synthetic_pack(7, vocab_size=100) with seq_lens [4, 3]
+        input_ids   t0 t1 t2 t3 | t4 t5 t6
+        labels      t0 t1 t2 t3 | t4 t5 t6     (the collator masks each sample's first label)
+        cu_seqlens  [0, 4, 7]
+    """
+    seq_lens = synthetic_seq_lens(total, seed=seed)
+    ids = np.random.default_rng([seed, total, vocab_size]).integers(0, vocab_size, total).tolist()
+    return {
+        "input_ids": ids,
+        "labels": ids,
+        "cu_seqlens": np.concatenate([[0], np.cumsum(seq_lens)]).tolist(),
+        "seq_lens": seq_lens,
+    }
+
+
+def probe_overrides(length: int, *, train_file: str | Path, output_dir: str | Path) -> list[str]:
+    """Config overrides that turn the run into two optimizer steps on the synthetic packs at ``train_file``.
+
+    The first step creates the optimizer states (Adam's two moments); only the second carries them
+    through forward and backward, so its peak is the run's steady state, and its time is the one
+    reported. Gradient accumulation is set to 1: later micro-batches of a step reuse the gradient
+    buffers of the first, so a step's peak is that of one micro-batch plus the optimizer step.
+    """
+    return [
+        f"data.train_file={json.dumps(str(train_file))}",
+        "data.eval_file=''",
+        f"data.max_seq_len={length}",
+        f"training.output_dir={json.dumps(str(output_dir))}",
+        "training.max_steps=2",
+        "training.gradient_accumulation_steps=1",
+        "training.save_strategy='no'",
+        "training.eval_strategy='no'",
+        "training.load_best_model_at_end=false",
+        "training.logging_strategy='no'",
+        "training.report_to='none'",
+        "training.disable_tqdm=true",
+    ]
+
+
+class StepMeter(TrainerCallback):
+    """Times the last optimizer step and notes the memory in use just before it starts."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.start = 0.0
+        self.seconds: float | None = None
+        self.start_bytes: int | None = None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.start_bytes = current_memory(self.device)
+        self.start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.seconds = time.perf_counter() - self.start
+
+
+def current_memory(device: torch.device) -> int | None:
+    """Bytes in use now: CUDA tensors on ``device``, or this process's resident set (Linux) on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    statm = Path("/proc/self/statm")
+    if not statm.exists():
+        return None
+    return int(statm.read_text().split()[1]) * resource.getpagesize()
+
+
+def peak_memory(device: torch.device) -> int:
+    """Peak bytes so far: CUDA ``max_memory_allocated`` on ``device``, or this process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # macOS counts bytes, Linux KiB
+
+
+def measure_steps(trainer: Trainer) -> dict[str, Any]:
+    """Run ``trainer.train()`` (see :func:`probe_overrides`) and return what its steps cost on this rank.
+
+    ``peak_bytes`` covers the whole process (model load included), ``step_start_bytes`` is what the
+    last step starts with (weights, optimizer states), ``step_seconds`` is that step's time.
+    """
+    device = trainer.args.device
+    meter = StepMeter(device)
+    trainer.add_callback(meter)
+    trainer.train()
+    measured = {
+        "device": str(device),
+        "peak_bytes": peak_memory(device),
+        "step_start_bytes": meter.start_bytes,
+        "step_seconds": meter.seconds,
+    }
+    if device.type == "cuda":
+        measured["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+    return measured
+
+
+def classify_failure(error: BaseException) -> str:
+    """``"out of memory"`` for allocator failures (CUDA or CPU), else ``"error"``."""
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
+        return OUT_OF_MEMORY
+    text = str(error).lower()
+    return OUT_OF_MEMORY if "out of memory" in text or "can't allocate memory" in text else ERROR
+
+
+def combine_ranks(
+    length: int, ranks: list[dict[str, Any]], *, max_memory: int | None = None
+) -> dict[str, Any]:
+    """One ladder rung from every rank's step result: worst-rank peak and time, and the failure's cause.
+
+    A rank result holds ``status`` (fits, out of memory, error, stopped), ``peak_bytes``,
+    ``step_start_bytes``, ``step_seconds`` and, on failure, ``error`` (one line) and ``traceback``. A
+    peak above ``max_memory`` counts as out of memory::
+
+        ranks [{"rank": 0, "status": "fits", "peak_bytes": 9}, {"rank": 1, "status": "fits", "peak_bytes": 12}]
+        max_memory 10  ->  {"status": "out of memory", "error": "rank 1: peak 12 B is over --max-memory 10 B", ...}
+    """
+
+    def worst(key: str) -> float | None:
+        return max((r[key] for r in ranks if r.get(key) is not None), default=None)
+
+    entry = {
+        "length": length,
+        "status": FITS,
+        "error": None,
+        "peak_bytes": worst("peak_bytes"),
+        "step_start_bytes": worst("step_start_bytes"),
+        "step_seconds": worst("step_seconds"),
+        "ranks": ranks,
+    }
+
+    def where(result: dict[str, Any]) -> str:
+        return f"rank {result['rank']}: " if len(ranks) > 1 else ""
+
+    # An out-of-memory rank is the cause; its peers' errors (a collective's peer gone) are its echo.
+    failed = sorted(
+        (r for r in ranks if r["status"] not in (FITS, STOPPED)), key=lambda r: r["status"] != OUT_OF_MEMORY
+    )
+    over = [r for r in ranks if max_memory is not None and (r.get("peak_bytes") or 0) > max_memory]
+    if failed:
+        cause = failed[0]
+        entry.update(
+            status=cause["status"], error=where(cause) + cause["error"], traceback=cause.get("traceback")
+        )
+    elif over:
+        peak = format_bytes(over[0]["peak_bytes"])
+        entry.update(
+            status=OUT_OF_MEMORY,
+            error=f"{where(over[0])}peak {peak} is over --max-memory {format_bytes(max_memory)}",
+        )
+    elif any(r["status"] == STOPPED for r in ranks):
+        entry.update(status=ERROR, error="stopped without a rank reporting why")
+    return entry
+
+
+def format_table(entries: list[dict[str, Any]], lengths: list[int]) -> str:
+    """The ladder as a table.
+
+    One row per length; the lengths after the first failure are ``not run``::
+
+        length  step s  before step       peak  status
+        4k        0.41   512.00 MiB  640.12 MiB  fits
+        8k           -            -          -  out of memory
+        16k                                     not run
+    """
+    lines = [format_row(None)] + [format_row(entry) for entry in entries]
+    lines += [format_row(length) for length in lengths[len(entries) :]]
+    return "\n".join(lines)
+
+
+def format_row(entry: dict[str, Any] | int | None) -> str:
+    """One line of :func:`format_table`: a rung's entry, a length not run, or ``None`` for the header."""
+    if entry is None:
+        return f"{'length':<7}{'step s':>7}{'before step':>14}{'peak':>14}  status"
+    if isinstance(entry, int):
+        return f"{format_length(entry):<7}{'':<37}  not run"
+    seconds = "-" if entry["step_seconds"] is None else f"{entry['step_seconds']:.2f}"
+    before, peak = format_bytes(entry["step_start_bytes"]), format_bytes(entry["peak_bytes"])
+    return f"{format_length(entry['length']):<7}{seconds:>7}{before:>14}{peak:>14}  {entry['status']}"
+
+
+def headline(entries: list[dict[str, Any]]) -> str:
+    """The answer of the probe: the longest length that fits, and where the ladder stopped."""
+    fits = [entry for entry in entries if entry["status"] == FITS]
+    if fits:
+        best = fits[-1]
+        text = (
+            f"largest length that fits: {format_length(best['length'])} ({best['length']:,} tokens per pack), "
+            f"peak {format_bytes(best['peak_bytes'])} per rank"
+        )
+    else:
+        text = "no length fits"
+    if entries and entries[-1]["status"] != FITS:
+        last = entries[-1]
+        text += f"\n{format_length(last['length'])} failed: {last['status']}: {last['error']}"
+    return text
+
+
+def suggestions(
+    cfg: Config, *, device_type: str, vocab_size: int | None, environ: Mapping[str, str]
+) -> list[str]:
+    """What would raise the longest length that fits, judged from the run's config and launch settings.
+
+    ``environ`` is the launch environment (``accelerate launch`` passes FSDP and DeepSpeed settings
+    there). The advice that saves the most memory comes first.
+    """
+    args = cfg.training.args
+    out = []
+    if not (args.get("activation_checkpointing") or args.get("gradient_checkpointing")):
+        out.append(
+            "turn on activation checkpointing (training.activation_checkpointing=true): keeps one layer's "
+            "activations at a time instead of all of them, for about a third more compute"
+        )
+    batch = args.get("per_device_train_batch_size", _default_batch_size())
+    if batch > 1:
+        out.append(
+            f"training.per_device_batch_size=1 (now {batch}) with {batch}x gradient_accumulation_steps: "
+            f"the same global batch with 1/{batch} of the tokens per micro-batch"
+        )
+    stage = _zero_stage(args, environ)
+    fsdp = bool(args.get("fsdp")) or environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
+    if not fsdp and stage is None:
+        out.append(
+            "shard parameters, gradients and optimizer states across the ranks: FSDP2 "
+            "(accelerate launch --config_file configs/accelerate/fsdp2.yaml) or DeepSpeed ZeRO-3 "
+            "(configs/accelerate/zero3.yaml); probe again under that launch"
+        )
+    elif stage is not None and stage < 3:
+        out.append(f"DeepSpeed ZeRO stage 3 (now {stage}) also shards the parameters")
+    if not _offloads(args, environ):
+        out.append(
+            "offload parameters (and optimizer states) to CPU memory: fsdp_offload_params: true in the FSDP "
+            "config, or offload_optimizer / offload_param in the DeepSpeed one; slower steps, far less GPU memory"
+        )
+    chunk = cfg.loss.chunk_size
+    if chunk > 1024:
+        buffer = f", {chunk * vocab_size * 4 / 2**20:.0f} MiB here" if vocab_size else ""
+        out.append(
+            f"a smaller loss.chunk_size (now {chunk}, try {chunk // 4}): the loss holds a float32 "
+            f"[chunk_size, vocab] buffer{buffer}"
+        )
+    fp32 = not (args.get("bf16") or args.get("fp16")) and cfg.model.torch_dtype in ("float32", "auto")
+    if device_type == "cuda" and fp32:
+        out.append('train in bfloat16 (model.torch_dtype="bfloat16" or training.bf16=true)')
+    return out
+
+
+def _default_batch_size() -> int:
+    from transformers import TrainingArguments
+
+    return TrainingArguments.per_device_train_batch_size
+
+
+def _deepspeed_config(args: Mapping[str, Any]) -> dict[str, Any] | None:
+    value = args.get("deepspeed")
+    if isinstance(value, str) and Path(value).is_file():
+        return json.loads(Path(value).read_text(encoding="utf-8"))
+    return value if isinstance(value, dict) else None
+
+
+def _zero_stage(args: Mapping[str, Any], environ: Mapping[str, str]) -> int | None:
+    """The DeepSpeed ZeRO stage of the run (config file or launcher setting), or ``None`` without DeepSpeed."""
+    settings = _deepspeed_config(args)
+    if settings is not None:
+        return int(settings.get("zero_optimization", {}).get("stage", 0))
+    if args.get("deepspeed") or environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        return int(environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "0") or 0)
+    return None
+
+
+def _offloads(args: Mapping[str, Any], environ: Mapping[str, str]) -> bool:
+    fsdp = args.get("fsdp") or ""
+    if "offload" in (fsdp if isinstance(fsdp, str) else " ".join(fsdp)):
+        return True
+    if environ.get("FSDP_OFFLOAD_PARAMS", "").lower() == "true":
+        return True
+    zero = (_deepspeed_config(args) or {}).get("zero_optimization", {})
+    if any(
+        zero.get(key, {}).get("device", "none") != "none" for key in ("offload_optimizer", "offload_param")
+    ):
+        return True
+    return any(
+        environ.get(f"ACCELERATE_DEEPSPEED_{key}_DEVICE", "none") != "none"
+        for key in ("OFFLOAD_OPTIMIZER", "OFFLOAD_PARAM")
+    )

@@ -1,0 +1,202 @@
+"""The memory probe: its pure pieces, and the real ladder on CPU with the demo model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from longalign.config import load_config
+from longalign.data import PackCollator
+from longalign.probe import (
+    ERROR,
+    FITS,
+    OUT_OF_MEMORY,
+    STOPPED,
+    combine_ranks,
+    format_table,
+    parse_length,
+    parse_lengths,
+    parse_size,
+    suggestions,
+    synthetic_pack,
+    synthetic_seq_lens,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "configs" / "demo.toml"
+
+
+def test_lengths_and_sizes():
+    assert parse_lengths("64k, 4k,8k,4096,3000") == [3000, 4096, 8192, 65536]
+    assert parse_length("1M") == 2**20
+    assert parse_size("80GiB") == 80 * 2**30
+    assert parse_size("1.5G") == 3 * 2**29
+    assert parse_size("500MB") == 500_000_000
+    for bad in ("0", "4x", "-1k", ""):
+        with pytest.raises(ValueError, match="length"):
+            parse_length(bad)
+    with pytest.raises(ValueError, match="memory size"):
+        parse_size("lots")
+
+
+@settings(max_examples=200, deadline=None)
+@given(total=st.integers(1, 200_000), seed=st.integers(0, 2**32 - 1))
+def test_synthetic_lengths_fill_the_pack_exactly(total, seed):
+    lens = synthetic_seq_lens(total, seed=seed)
+    assert sum(lens) == total and min(lens) >= 1
+    assert lens == synthetic_seq_lens(total, seed=seed)  # seeded
+
+
+def test_synthetic_lengths_are_a_long_tail_mix():
+    lens = synthetic_seq_lens(65536, seed=0)
+    assert len(lens) > 3  # a mix, not one sample
+    assert sum(length < 8192 for length in lens) > len(lens) / 2  # most samples short
+    assert max(lens) > 8192  # but a long one
+
+
+def test_synthetic_pack_collates_into_one_varlen_row():
+    pack = synthetic_pack(5000, vocab_size=97, seed=3)
+    assert len(pack["input_ids"]) == len(pack["labels"]) == 5000
+    assert max(pack["input_ids"]) < 97
+    batch = PackCollator()([pack])
+    assert batch["input_ids"].shape == (1, 5000)
+    assert batch["cu_seq_lens_q"].tolist() == pack["cu_seqlens"]
+    assert batch["max_length_q"] == max(pack["seq_lens"])
+
+
+def rank(index, status=FITS, peak=100, error=None):
+    return {
+        "rank": index,
+        "status": status,
+        "peak_bytes": peak,
+        "step_start_bytes": 50,
+        "step_seconds": 1.0,
+        "error": error,
+    }
+
+
+def test_combine_ranks_takes_the_worst_rank_and_the_real_cause():
+    entry = combine_ranks(4096, [rank(0, peak=100), rank(1, peak=120)])
+    assert (entry["status"], entry["peak_bytes"]) == (FITS, 120)
+    # Rank 0's step broke because rank 1 ran out of memory: the cause is rank 1's.
+    entry = combine_ranks(
+        4096,
+        [
+            rank(0, ERROR, error="Connection closed by peer"),
+            rank(1, OUT_OF_MEMORY, error="CUDA out of memory"),
+        ],
+    )
+    assert entry["status"] == OUT_OF_MEMORY and entry["error"] == "rank 1: CUDA out of memory"
+    entry = combine_ranks(4096, [rank(0, STOPPED), rank(1, OUT_OF_MEMORY, error="oom")])
+    assert entry["error"] == "rank 1: oom"
+    entry = combine_ranks(4096, [rank(0, peak=100), rank(1, peak=2048)], max_memory=1024)
+    assert entry["status"] == OUT_OF_MEMORY
+    assert entry["error"] == "rank 1: peak 2.00 KiB is over --max-memory 1.00 KiB"
+    assert combine_ranks(8, [rank(0, peak=2048)], max_memory=1024)["error"].startswith("peak 2.00 KiB")
+
+
+def test_table_marks_the_lengths_after_a_failure_not_run():
+    entries = [
+        combine_ranks(4096, [rank(0)]),
+        combine_ranks(8192, [rank(0, OUT_OF_MEMORY, peak=None, error="x")]),
+    ]
+    lines = format_table(entries, [4096, 8192, 16384]).splitlines()
+    assert lines[0].split() == ["length", "step", "s", "before", "step", "peak", "status"]
+    assert lines[1].startswith("4k") and lines[1].endswith("fits")
+    assert lines[2].startswith("8k") and lines[2].endswith("out of memory")
+    assert lines[3].startswith("16k") and lines[3].endswith("not run")
+
+
+def test_suggestions_follow_the_config(tmp_path):
+    plain = load_config(DEMO)
+    advice = suggestions(plain, device_type="cuda", vocab_size=4096, environ={})
+    assert any("activation_checkpointing=true" in line for line in advice)
+    assert any("FSDP" in line and "ZeRO-3" in line for line in advice)
+    assert any("loss.chunk_size (now 2048, try 512)" in line and "32 MiB" in line for line in advice)
+    assert any("bfloat16" in line for line in advice)
+
+    zero2 = tmp_path / "ds.json"
+    zero2.write_text(json.dumps({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}))
+    tuned = load_config(
+        DEMO,
+        [
+            "training.activation_checkpointing=true",
+            f"training.deepspeed='{zero2}'",
+            "loss.chunk_size=512",
+            "training.bf16=true",
+        ],
+    )
+    advice = suggestions(tuned, device_type="cuda", vocab_size=4096, environ={})
+    assert advice == ["DeepSpeed ZeRO stage 3 (now 2) also shards the parameters"]
+    fsdp_env = {"ACCELERATE_USE_FSDP": "true", "FSDP_OFFLOAD_PARAMS": "false"}
+    advice = suggestions(
+        load_config(DEMO, ["training.activation_checkpointing=true"]),
+        device_type="cpu",
+        vocab_size=None,
+        environ=fsdp_env,
+    )
+    assert not any("shard parameters" in line for line in advice)
+    assert any("offload" in line for line in advice)
+
+
+def probe(tmp_path: Path, name: str, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    output = tmp_path / name / "probe.json"
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts" / "probe_memory.py"),
+        "--config",
+        str(DEMO),
+        "--output",
+        str(output),
+        *args,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # a tiny model: threads only contend
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert "Traceback" not in result.stdout + result.stderr
+    return result, json.loads(output.read_text())
+
+
+def test_ladder_finds_a_fitting_length_and_stops_at_a_memory_cap(tmp_path):
+    result, report = probe(tmp_path, "free", "--lengths", "512,8k")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "largest length that fits: 8k (8,192 tokens per pack)" in result.stdout
+    small, large = report["results"]
+    assert small["status"] == large["status"] == FITS
+    assert large["peak_bytes"] > small["peak_bytes"] > 0  # a fresh process per length: each peak its own
+    assert small["step_seconds"] > 0 and small["samples_per_pack"] >= 1
+
+    cap = (small["peak_bytes"] + large["peak_bytes"]) // 2  # room for 512 tokens, not for 8k
+    result, report = probe(tmp_path, "capped", "--lengths", "512,8k,16k", "--max-memory", str(cap))
+    assert result.returncode == 0  # the smallest length fits: the ladder has an answer
+    out = result.stdout
+    assert "largest length that fits: 512 (512 tokens per pack)" in out
+    assert "8k failed: out of memory: peak" in out and "is over --max-memory" in out
+    assert any(line.startswith("16k") and line.endswith("not run") for line in out.splitlines())
+    assert "activation_checkpointing=true" in out  # advice from the demo config
+    assert report["largest_fitting_length"] == 512
+    assert [e["status"] for e in report["results"]] == [FITS, OUT_OF_MEMORY]
+
+
+def test_an_error_stops_the_ladder_in_one_line_with_the_trace_kept(tmp_path):
+    # torch's varlen kernel needs CUDA: on CPU the first step fails with the backend's own message.
+    result, report = probe(
+        tmp_path,
+        "error",
+        "--lengths",
+        "512,1k",
+        "model.attn_backend='torch_varlen'",
+        "model.use_flash_attention=true",
+    )
+    assert result.returncode == 1  # no length fits
+    assert "512 failed: error: ValueError: attention backend 'torch_varlen' cannot run here" in result.stdout
+    assert "traceback in" in result.stdout
+    failed = report["results"][0]
+    assert failed["status"] == ERROR and "Traceback" in failed["ranks"][0]["traceback"]
+    assert report["largest_fitting_length"] is None and len(report["results"]) == 1
