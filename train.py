@@ -115,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(cli.config, cli.overrides)
         trainer = build_trainer(cfg)
-    except ConfigError as err:
-        print(f"train.py: config error: {err}", file=sys.stderr)
+    except (ConfigError, FileNotFoundError) as err:
+        print(f"train.py: {err}", file=sys.stderr)
         return 2
     if preflight_enabled(cfg.training.preflight, trainer.args.world_size):
         report = check_trainer(trainer, cfg)  # every rank takes part; all stop here if any disagrees
