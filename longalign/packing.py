@@ -30,8 +30,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from longalign.artifacts import atomic_output_dir, load_stage, write_report
+from longalign.config import STRATEGIES
 
-STRATEGIES = ("bfd", "ffd", "greedy", "sorted")
 MAX_REPORTED_LINES = 20  # dropped samples whose line the report names
 SAMPLE_COLUMNS = ("input_ids", "labels", "length", "num_targets", "line")
 PACK_SCHEMA = pa.schema(
