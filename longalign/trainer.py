@@ -11,22 +11,33 @@ gradient of ``sum(S) / D`` however the samples were split into packs, micro-batc
       micro-batch 1                        S=3.0 (w 2)       S=1.0 (w 1)
       micro-batch 2                        S=2.0 (w 1)       S=0.5 (w 1)
       D = 2 + 1 + 1 + 1 = 5;  loss = (3 + 2 + 1 + 0.5) / 5, exactly, whatever the split
+
+``build_trainer(cfg)`` makes the whole run from a :class:`longalign.config.Config` (model, packs, trainer);
+``train.py``, ``scripts/probe_memory.py`` and ``scripts/preflight.py`` all start from it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow.compute as pc
 import torch
+import transformers
 from torch.utils.data import DataLoader, Dataset
-from transformers import Trainer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
+import longalign.patch
+from longalign.artifacts import load_stage
+from longalign.config import Config, ConfigError
 from longalign.data import PackCollator
 from longalign.loss import weighted_loss_sum
+from longalign.packing import write_packs
 
 
 def pack_costs(packs) -> np.ndarray:
@@ -291,3 +302,84 @@ class LongAlignTrainer(Trainer):
                 logs["packing_efficiency"] = round(window["tokens"] / (window["packs"] * self.max_seq_len), 4)
             window.update(tokens=0.0, samples=0.0, packs=0.0, steps=0)
         super().log(logs, start_time)
+
+
+# --- building a run from its config (train.py, the probe and the preflight share these) -------------
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_model(cfg: Config) -> torch.nn.Module:
+    """The model of ``[model]`` (pretrained, or random from ``init_from_config``), patched for packed input."""
+    mc = cfg.model
+    if mc.init_from_config is not None:
+        settings = dict(mc.init_from_config)
+        config = AutoConfig.for_model(settings.pop("model_type"), **settings)
+        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES.get(mc.torch_dtype, torch.float32))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            mc.model_name_or_path,
+            dtype=DTYPES.get(mc.torch_dtype, "auto"),
+            trust_remote_code=mc.trust_remote_code,
+        )
+    return longalign.patch.apply(model, backend=mc.backend)
+
+
+def resolve_packs(path: str, cfg: Config, args: TrainingArguments):
+    """Packs at ``path``: a packed directory as is, or a tokenized one packed once and cached."""
+    dataset = load_stage(path)
+    if "cu_seqlens" in dataset.column_names:
+        return dataset
+    if "length" not in dataset.column_names:
+        raise ConfigError(
+            f"{path}: neither a packed nor a pre-tokenized dataset (columns {dataset.column_names})"
+        )
+    packing = cfg.packing
+    # packing = false: one sample per row, in shuffled order (a "sorted" batch of one).
+    strategy = packing.strategy if packing.packing else "sorted"
+    batch_size = packing.batch_size if packing.packing and strategy == "sorted" else 1
+    settings = {
+        "max_seq_len": cfg.data.max_seq_len,
+        "strategy": strategy,
+        "batch_size": batch_size,
+        "seed": packing.seed,
+        "drop_long": packing.drop_long,
+    }
+    source = Path(path)
+    key = hashlib.sha256(
+        json.dumps(
+            [settings, (source / "state.json").read_text(), (source / "report.json").read_text()]
+        ).encode()
+    ).hexdigest()[:12]
+    cache_root = Path(cfg.data.packed_cache_dir or Path(args.output_dir) / "packed")
+    cache = cache_root / f"{source.resolve().name}-{key}"
+    with args.main_process_first(desc=f"packing {path}"):
+        if not cache.exists():
+            write_packs(source, cache, **settings)
+    return load_stage(cache)
+
+
+def build_trainer(cfg: Config) -> LongAlignTrainer:
+    """Everything a run sets up before ``train()``: arguments, tokenizer, model, packs, trainer."""
+    args = TrainingArguments(
+        output_dir=cfg.training.output_dir, remove_unused_columns=False, **cfg.training.args
+    )
+    if not cfg.data.train_file:
+        raise ConfigError("data.train_file: set it to a packed or pre-tokenized dataset directory")
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.model_name_or_path)
+    transformers.set_seed(args.seed)
+    model = load_model(cfg)
+    train_packs = resolve_packs(cfg.data.train_file, cfg, args)
+    eval_packs = resolve_packs(cfg.data.eval_file, cfg, args) if cfg.data.eval_file else None
+    return LongAlignTrainer(
+        model=model,
+        args=args,
+        train_dataset=train_packs,
+        eval_dataset=eval_packs,
+        processing_class=tokenizer,
+        weighting=cfg.loss.weighting,
+        max_seq_len=cfg.data.max_seq_len,
+        loss_chunk_size=cfg.loss.chunk_size,
+        ignore_index=cfg.loss.ignore_index,
+        pack_seed=cfg.packing.seed,
+    )

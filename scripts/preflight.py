@@ -23,11 +23,9 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoTokenizer, TrainingArguments
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # train.py: the run's own loaders
-
-from longalign.config import Config, ConfigError, load_config  # noqa: E402
-from longalign.preflight import DEFAULT_ENV, compute_dtype, run_preflight  # noqa: E402
-from train import DTYPES, resolve_packs  # noqa: E402
+from longalign.config import Config, ConfigError, load_config
+from longalign.preflight import DEFAULT_ENV, compute_dtype, run_preflight
+from longalign.trainer import DTYPES, resolve_packs
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,10 +39,8 @@ import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer, TrainingArguments
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # train.py: the run's own loaders
-
-from longalign.config import Config, ConfigError, load_config  # noqa: E402
-from longalign.probe import (  # noqa: E402
+from longalign.config import Config, ConfigError, load_config
+from longalign.probe import (
     ERROR,
     FITS,
     OUT_OF_MEMORY,
@@ -60,6 +58,7 @@ from longalign.probe import (  # noqa: E402
     suggestions,
     synthetic_pack,
 )
+from longalign.trainer import build_trainer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,8 +202,6 @@ def run_length(args: argparse.Namespace, length: int, work: Path, ranks: Ranks) 
 
 def worker(args: argparse.Namespace, max_memory: int | None) -> NoReturn:
     """The steps at ``args.worker`` tokens per pack; writes the result and leaves at once."""
-    from train import build_trainer
-
     length = args.worker
     result: dict[str, Any] = {}
     try:
