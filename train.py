@@ -12,6 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from accelerate import PartialState
 from transformers.trainer_utils import get_last_checkpoint
 
 from longalign.config import ConfigError, load_config
@@ -32,6 +33,15 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as err:
         print(f"train.py: {err}", file=sys.stderr)
         return 2
+    try:
+        return run(trainer, cfg)
+    finally:
+        # Leave the process group explicitly: a gloo group still alive at interpreter exit can abort a rank.
+        PartialState().destroy_process_group()
+
+
+def run(trainer, cfg) -> int:
+    """Preflight (when on), train, evaluate, save; the exit status."""
     if preflight_enabled(cfg.training.preflight, trainer.args.world_size):
         report = check_trainer(trainer, cfg)  # every rank takes part; all stop here if any disagrees
         if trainer.is_world_process_zero():

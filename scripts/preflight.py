@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import torch
+from accelerate import PartialState
 from transformers import AutoConfig, AutoTokenizer, TrainingArguments
 
 from longalign.config import Config, ConfigError, load_config
@@ -71,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if train_args.process_index == 0:
         print(report)
+    # Leave the process group explicitly: a gloo group still alive at interpreter exit can abort the rank.
+    PartialState().destroy_process_group()
     return 0 if report.ok else 1
 
 

@@ -12,6 +12,7 @@ import tempfile
 
 import datasets
 import torch
+from accelerate import PartialState
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 import longalign.patch
@@ -122,3 +123,4 @@ if __name__ == "__main__":
     grads = one_step(weighting, per_pack, accumulation)
     if int(torch.distributed.get_rank()) == 0:
         torch.save(grads, path)
+    PartialState().destroy_process_group()  # a gloo group alive at interpreter exit can abort the rank
