@@ -1,7 +1,8 @@
 """Collate pack rows into model batches: one varlen row, per-sample positions and the loss weights.
 
 The collator is where the loss weighting is decided. Every target token gets a weight, and the weights of
-one optimizer step sum to the denominator of DESIGN.md, so the trainer can normalise exactly::
+one optimizer step sum to the step's loss denominator D (sum_i N_i target tokens for ``token_level``, the
+number M of samples with targets for ``sequence_level``), so the trainer can normalise exactly::
 
     pack row 0 = samples A (3 tokens), B (2 tokens); pack row 1 = sample C (3 tokens)
 

@@ -8,7 +8,7 @@ Inside the LM head's own forward call, ``weighted_token_loss`` takes the final h
 weight; because that happens inside the head module's call, DDP, FSDP and DeepSpeed ZeRO-3 see an ordinary
 forward and backward of the head (and gather its sharded weight around both).
 
-``s_local`` is S_local of DESIGN.md, the sum of w_t * CE_t over the targets; the trainer divides it by the
+``s_local`` is the micro-batch's sum of w_t * CE_t over its targets; the trainer divides it by the
 step's denominator (the sum of ``loss_weights`` over all micro-batches and ranks of the step).
 
 Memory: only the target positions are gathered, and their logits are computed ``chunk_size`` rows at a

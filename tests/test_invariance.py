@@ -86,7 +86,8 @@ def test_stock_trainer_is_token_level_not_sequence_level():
 
 
 def test_step_gradient_is_the_gradient_of_the_defined_loss(weighting, reference):
-    """Each sample alone, full logits, the DESIGN.md formula: the trainer's step gradient is its gradient."""
+    """Each sample alone with full logits: token_level = sum of all CE / sum N_i, sequence_level = mean over
+    samples of each sample's mean CE. The trainer's step gradient is the gradient of that loss."""
     from invariance_run import samples, tiny_model
 
     model = tiny_model()
