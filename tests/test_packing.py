@@ -23,6 +23,7 @@ from longalign.packing import (
     packing_report,
     write_packs,
 )
+from longalign.tokenize import SAMPLE_FEATURES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -191,17 +192,8 @@ def make_samples(lengths: list[int], seed: int = 0) -> dict[str, list]:
 
 
 def save_samples(columns: dict[str, list], path: Path) -> Path:
-    features = datasets.Features(
-        {
-            "input_ids": datasets.List(datasets.Value("int32")),
-            "labels": datasets.List(datasets.Value("int32")),
-            "length": datasets.Value("int32"),
-            "num_targets": datasets.Value("int32"),
-            "line": datasets.Value("int64"),
-        }
-    )
-    # Several shards, so the table has several record batches to gather from.
-    dataset = datasets.Dataset.from_dict(columns, features=features)
+    # The pre-tokenize stage's own schema; several shards, so there are several record batches to gather from.
+    dataset = datasets.Dataset.from_dict(columns, features=SAMPLE_FEATURES)
     dataset.save_to_disk(str(path), num_shards=max(1, min(3, len(dataset))))
     return path
 
