@@ -163,7 +163,6 @@ class LongAlignTrainer(Trainer):
     ) -> None:
         kwargs.setdefault("data_collator", PackCollator(weighting=weighting, ignore_index=ignore_index))
         super().__init__(*args, **kwargs)
-        self.weighting = weighting
         self.max_seq_len = max_seq_len
         self.loss_chunk_size = loss_chunk_size
         self.ignore_index = ignore_index
