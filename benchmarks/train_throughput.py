@@ -23,8 +23,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import longalign.patch
+from longalign.batching import PackCollator, PaddedCollator
 from longalign.config import load_config
-from longalign.data import PackCollator, PaddedCollator
 from longalign.loss import weighted_loss_sum
 from longalign.packing import pack
 from longalign.tokenize import pre_tokenize

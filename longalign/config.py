@@ -20,7 +20,11 @@ A run file looks like::
     [model]
     model_name_or_path = "meta-llama/Llama-3.1-8B-Instruct"
 
-An unknown section or key, or a value of the wrong type, is an error that names it.
+Names that LongAlign-style run files use for a setting (``sort_by_length``, ``use_flash_attention``, ...)
+are accepted as aliases of one canonical key each (``ALIASES``). The file is read first, then the command
+line's overrides; within one of them, an alias and its canonical key that disagree are an error naming
+both, and the command line wins over the file. An unknown section or key, or a value of the wrong type,
+is an error that names it. ``Config.sources`` says where every setting came from.
 """
 
 from __future__ import annotations
@@ -30,17 +34,21 @@ import difflib
 import sys
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+from longalign.attention import BACKENDS
+from longalign.batching import WEIGHTINGS
+from longalign.packing import STRATEGIES
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:
     import tomli as tomllib
 
-WEIGHTINGS = ("sequence_level", "token_level")
-STRATEGIES = ("bfd", "ffd", "greedy", "sorted")
+TORCH_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 class ConfigError(ValueError):
@@ -57,9 +65,7 @@ class DataConfig:
 
 @dataclass
 class PackingConfig:
-    packing: bool = True  # false: one sample per row, no packing (the padding-free baseline)
-    strategy: str = "bfd"  # bfd | ffd | greedy | sorted (LongAlign's sorted batching)
-    sort_by_length: bool = False  # LongAlign's flag for sorted batching; same as strategy = "sorted"
+    strategy: str = "bfd"  # bfd | ffd | greedy | sorted (LongAlign's sorted batching) | none (no packing)
     batch_size: int = 8  # samples per batch for the sorted strategy
     seed: int = 42  # pack order and sorted-batch shuffle
     drop_long: bool = False  # drop samples over max_seq_len instead of failing
@@ -67,12 +73,6 @@ class PackingConfig:
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ConfigError(f"packing.strategy: {self.strategy!r} is not one of {', '.join(STRATEGIES)}")
-        if self.sort_by_length:
-            if self.strategy not in ("bfd", "sorted"):
-                raise ConfigError(
-                    f"packing.sort_by_length = true means strategy 'sorted', but strategy is {self.strategy!r}"
-                )
-            self.strategy = "sorted"
         if self.batch_size < 1:
             raise ConfigError(f"packing.batch_size: must be >= 1, got {self.batch_size}")
 
@@ -96,8 +96,7 @@ class ModelConfig:
     init_from_config: dict[str, Any] | None = None  # random weights from this config (needs model_type)
     tokenizer: str | None = None  # defaults to model_name_or_path
     trust_remote_code: bool = False
-    use_flash_attention: bool = True  # false: the exact per-sample sdpa path everywhere
-    attn_backend: str = "auto"  # auto | flash_attn | flash_attn_cute | torch_varlen | sdpa_segments
+    attn_backend: str = "auto"  # auto (the fastest that runs) | flash_attn | flash_attn_cute | ...
     torch_dtype: str = "auto"  # auto | float32 | bfloat16 | float16
 
     def __post_init__(self) -> None:
@@ -105,20 +104,14 @@ class ModelConfig:
             raise ConfigError("model: set model_name_or_path, or init_from_config for a random model")
         if self.init_from_config is not None and "model_type" not in self.init_from_config:
             raise ConfigError("model.init_from_config: needs a 'model_type' key (e.g. 'llama')")
-        if self.torch_dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ConfigError(f"model.torch_dtype: {self.torch_dtype!r} is not auto/float32/bfloat16/float16")
-
-    @property
-    def backend(self) -> str:
-        """The attention backend to request: ``use_flash_attention = false`` pins the CPU-exact path."""
-        return self.attn_backend if self.use_flash_attention else "sdpa_segments"
-
-
-# Names users already write for LongAlign-style runs, mapped onto TrainingArguments fields.
-TRAINING_ALIASES = {
-    "per_device_batch_size": "per_device_train_batch_size",
-    "warmup_ratio": "warmup_steps",  # TrainingArguments reads a value below 1 as a fraction of all steps
-}
+        if self.attn_backend not in ("auto", *BACKENDS):
+            raise ConfigError(
+                f"model.attn_backend: {self.attn_backend!r} is not one of auto, {', '.join(BACKENDS)}"
+            )
+        if self.torch_dtype not in TORCH_DTYPES:
+            raise ConfigError(
+                f"model.torch_dtype: {self.torch_dtype!r} is not one of {', '.join(TORCH_DTYPES)}"
+            )
 
 
 @dataclass
@@ -126,35 +119,6 @@ class TrainingConfig:
     output_dir: str = "runs/longalign"
     preflight: bool | None = None  # run the multi-rank checks before the first step; default: when ranks > 1
     args: dict[str, Any] = field(default_factory=dict)  # every other key, for transformers.TrainingArguments
-
-    @classmethod
-    def from_table(cls, table: dict[str, Any]) -> TrainingConfig:
-        known = {f.name for f in dataclasses.fields(cls)} - {"args"}
-        own = {k: v for k, v in table.items() if k in known}
-        args = {}
-        for key, value in table.items():
-            if key in known:
-                continue
-            name = TRAINING_ALIASES.get(key, key)
-            _check_training_arg(name, value, key)
-            args[name] = value
-        _check_fields(cls, own, "training")
-        return cls(**own, args=args)
-
-
-@dataclass
-class Config:
-    data: DataConfig
-    packing: PackingConfig
-    loss: LossConfig
-    training: TrainingConfig
-    model: ModelConfig
-
-    def to_dict(self) -> dict[str, Any]:
-        """The config as plain TOML-able tables (training args flattened back into ``[training]``)."""
-        out = {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
-        out["training"].update(out["training"].pop("args"))
-        return out
 
 
 SECTIONS = {
@@ -166,62 +130,177 @@ SECTIONS = {
 }
 
 
+@dataclass(frozen=True)
+class Alias:
+    """A key users write for the canonical ``key``.
+
+    ``values`` maps what they write to the canonical value (``None``: the value itself, checked as the
+    canonical key's). Aliases with ``values`` are boolean switches; a value in ``excludes`` sets nothing
+    but contradicts the canonical values listed for it (``packing = true`` with ``strategy = "none"``).
+    """
+
+    key: str
+    values: Mapping[Any, Any] | None = None
+    excludes: Mapping[Any, tuple[Any, ...]] = field(default_factory=dict)
+
+
+ALIASES = {
+    "packing.packing": Alias("packing.strategy", {False: "none"}, excludes={True: ("none",)}),
+    "packing.sort_by_length": Alias("packing.strategy", {True: "sorted"}, excludes={False: ("sorted",)}),
+    # true lets `auto` pick flash-attn where it runs; false pins the exact per-sample path.
+    "model.use_flash_attention": Alias(
+        "model.attn_backend", {False: "sdpa_segments"}, excludes={True: ("sdpa_segments",)}
+    ),
+    "training.per_device_batch_size": Alias("training.per_device_train_batch_size"),
+    # TrainingArguments reads a warmup_steps value below 1 as a fraction of all steps.
+    "training.warmup_ratio": Alias("training.warmup_steps"),
+}
+
+# TrainingArguments fields the run sets itself: the value it needs, and why.
+RESERVED_TRAINING_ARGS = {
+    "remove_unused_columns": (
+        False,
+        "pack rows carry cu_seqlens and loss weights that the model's forward does not name",
+    ),
+}
+
+
+@dataclass
+class Config:
+    data: DataConfig
+    packing: PackingConfig
+    loss: LossConfig
+    training: TrainingConfig
+    model: ModelConfig
+    # "section.key" -> where its value came from: a file path or "command line", with the alias written
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def source(self, key: str) -> str:
+        """Where the setting ``section.key`` came from: a file, the command line, or ``"default"``."""
+        return self.sources.get(key, "default")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as plain TOML-able tables (training args flattened back into ``[training]``)."""
+        out = {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+        out["training"].update(out["training"].pop("args"))
+        return out
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Read a TOML run file (or start empty) and apply ``section.key=value`` overrides, then check it all."""
-    tables: dict[str, Any] = {}
+    layers: list[tuple[str, dict[str, Any]]] = []
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"{path}: config file not found")
-        try:
-            tables = tomllib.loads(path.read_text(encoding="utf-8"))
-        except tomllib.TOMLDecodeError as err:
-            raise ConfigError(f"{path}: not valid TOML: {err}") from None
+        layers.append((str(path), _read_toml(Path(path))))
+    layers.append(("command line", _overrides_table(overrides)))
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for origin, tables in layers:
+        for key, (value, written) in _canonical(tables).items():
+            values[key] = value
+            sources[key] = origin if written == key else f"{origin} (as {written})"
+    built: dict[str, Any] = {}
+    for name, cls in SECTIONS.items():
+        table = {key.partition(".")[2]: value for key, value in values.items() if key.startswith(name + ".")}
+        if cls is TrainingConfig:
+            own = {key: table.pop(key) for key in ("output_dir", "preflight") if key in table}
+            built[name] = TrainingConfig(**own, args=table)
+        else:
+            built[name] = cls(**table)
+    return Config(**built, sources=sources)
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path}: not valid TOML: {err}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+
+
+def _overrides_table(overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """``section.key=value`` items as tables; a value is read as TOML, else taken as a string."""
+    tables: dict[str, Any] = {}
     for item in overrides:
-        _apply_override(tables, item)
+        key, sep, raw = item.partition("=")
+        if not sep or "." not in key:
+            raise ConfigError(f"override {item!r}: expected section.key=value")
+        section, _, name = key.strip().partition(".")
+        try:
+            value = tomllib.loads(f"v = {raw.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw.strip()
+        tables.setdefault(section, {})[name] = value
+    return tables
+
+
+def _canonical(tables: dict[str, Any]) -> dict[str, tuple[Any, str]]:
+    """One layer's settings as ``{"section.key": (value, key as written)}``, aliases resolved and checked."""
     unknown = [name for name in tables if name not in SECTIONS]
     if unknown:
         raise ConfigError(f"unknown section [{unknown[0]}]; sections are {', '.join(SECTIONS)}")
-    for name, value in tables.items():
-        if not isinstance(value, dict):
-            raise ConfigError(f"{name}: expected a [{name}] table, got {type(value).__name__}")
-    built = {}
-    for name, cls in SECTIONS.items():
-        table = tables.get(name, {})
-        if cls is TrainingConfig:
-            built[name] = TrainingConfig.from_table(table)
+    written: dict[str, Any] = {}
+    for section, table in tables.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"{section}: expected a [{section}] table, got {type(table).__name__}")
+        written.update({f"{section}.{key}": value for key, value in table.items()})
+    out: dict[str, tuple[Any, str]] = {}
+    for key, value in written.items():
+        if key not in ALIASES:
+            _check_value(key, value, key)
+            out[key] = (value, key)
+    excluded: list[tuple[str, Any, Alias]] = []
+    for key, value in written.items():
+        alias = ALIASES.get(key)
+        if alias is None:
+            continue
+        if alias.values is None:
+            _check_value(alias.key, value, key)
+            canonical = value
+        elif not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected bool, got {type(value).__name__} {value!r}")
+        elif value in alias.excludes:
+            excluded.append((key, value, alias))
+            continue
         else:
-            _check_fields(cls, table, name)
-            built[name] = cls(**table)
-    return Config(**built)
+            canonical = alias.values[value]
+        if alias.key in out and out[alias.key][0] != canonical:
+            raise ConfigError(
+                f"{key} = {_shown(value)} means {alias.key} = {_shown(canonical)}, but "
+                + _setting(out[alias.key], written)
+            )
+        out[alias.key] = (canonical, key)
+    for key, value, alias in excluded:
+        if alias.key in out and out[alias.key][0] in alias.excludes[value]:
+            raise ConfigError(f"{key} = {_shown(value)} contradicts " + _setting(out[alias.key], written))
+    return out
 
 
-def _apply_override(tables: dict[str, Any], item: str) -> None:
-    """Apply one ``section.key=value`` override; the value is read as TOML, else taken as a string."""
-    key, sep, raw = item.partition("=")
-    if not sep or "." not in key:
-        raise ConfigError(f"override {item!r}: expected section.key=value")
-    section, _, name = key.strip().partition(".")
-    try:
-        value = tomllib.loads(f"v = {raw.strip()}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw.strip()
-    table = tables.setdefault(section, {})
-    if not isinstance(table, dict):
-        raise ConfigError(f"override {item!r}: {section} is not a table")
-    table[name] = value
+def _setting(resolved: tuple[Any, str], written: dict[str, Any]) -> str:
+    """How a resolved setting was written: ``strategy = "ffd"`` or ``packing = false (means "none")``."""
+    value, key = resolved
+    text = f"{key} = {_shown(written[key])}"
+    return text if written[key] == value and key not in ALIASES else f"{text} (means {_shown(value)})"
 
 
-def _check_fields(cls: type, table: dict[str, Any], section: str) -> None:
+def _check_value(key: str, value: Any, written: str) -> None:
+    """Check that ``key`` ("section.key", canonical) exists and ``value`` fits its type; errors name ``written``."""
+    section, _, name = key.partition(".")
+    if section == "training" and name not in ("output_dir", "preflight"):
+        _check_training_arg(name, value, written)
+        return
+    cls = SECTIONS[section]
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if f.init and f.name != "args"]
-    for key, value in table.items():
-        if key not in names:
-            raise ConfigError(f"{section}.{key}: unknown key{_suggest(key, names)}")
-        if not _matches(value, hints[key]):
-            raise ConfigError(
-                f"{section}.{key}: expected {_describe(hints[key])}, got {type(value).__name__} {value!r}"
-            )
+    if name not in names:
+        choices = names + [k.partition(".")[2] for k in ALIASES if k.startswith(section + ".")]
+        raise ConfigError(f"{written}: unknown key{_suggest(name, choices)}")
+    if not _matches(value, hints[name]):
+        raise ConfigError(
+            f"{written}: expected {_describe(hints[name])}, got {type(value).__name__} {value!r}"
+        )
 
 
 def _check_training_arg(name: str, value: Any, written: str) -> None:
@@ -229,16 +308,18 @@ def _check_training_arg(name: str, value: Any, written: str) -> None:
 
     fields = {f.name: f for f in dataclasses.fields(TrainingArguments) if f.init}
     if name not in fields:
-        choices = list(fields) + list(TRAINING_ALIASES)
-        raise ConfigError(
-            f"training.{written}: unknown key (not a TrainingArguments field){_suggest(written, choices)}"
-        )
+        choices = list(fields) + [k.partition(".")[2] for k in ALIASES if k.startswith("training.")]
+        raise ConfigError(f"{written}: unknown key (not a TrainingArguments field){_suggest(name, choices)}")
+    if name in RESERVED_TRAINING_ARGS:
+        needed, why = RESERVED_TRAINING_ARGS[name]
+        if value != needed:
+            raise ConfigError(f"{written}: longalign sets it to {_shown(needed)} ({why})")
     annotation = fields[name].type
     if isinstance(annotation, str):  # postponed annotations: check only what is simple to read
         annotation = {"int": int, "float": float, "bool": bool, "str": str}.get(annotation, Any)
     if not _matches(value, annotation, lenient=True):
         raise ConfigError(
-            f"training.{written}: expected {_describe(annotation)}, got {type(value).__name__} {value!r}"
+            f"{written}: expected {_describe(annotation)}, got {type(value).__name__} {value!r}"
         )
 
 
@@ -276,6 +357,13 @@ def _describe(annotation: Any) -> str:
     if annotation is type(None):
         return "nothing"
     return getattr(annotation, "__name__", str(annotation))
+
+
+def _shown(value: Any) -> str:
+    """A value as a run file writes it: ``true``, ``"bfd"``, ``8``."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return f'"{value}"' if isinstance(value, str) else repr(value)
 
 
 def _suggest(key: str, choices: list[str]) -> str:

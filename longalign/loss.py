@@ -1,31 +1,42 @@
 """Weighted next-token loss from final hidden states, chunked: full ``[tokens, vocab]`` logits never exist.
 
-The trainer's path for one micro-batch::
+The loss contract between a causal LM and this module (what the trainer, the probe and evaluation rely on,
+and what a sharded row must keep)::
 
-    s_local = weighted_loss_sum(model, batch)     # the model's forward, with the LM head swapped for the loss
+    s_local = weighted_loss_sum(model, batch)        # one micro-batch, through the model's own forward
 
-Inside the LM head's own forward call, ``weighted_token_loss`` takes the final hidden states and the head's
-weight; because that happens inside the head module's call, DDP, FSDP and DeepSpeed ZeRO-3 see an ordinary
-forward and backward of the head (and gather its sharded weight around both).
+1. **Who computes what.** The model runs its own ``forward`` (wrapped or not: DDP, FSDP, DeepSpeed) with
+   ``use_cache=False`` and ``logits_to_keep=0``. While :class:`LossHead` is installed on the unwrapped
+   model, the output layer's ``forward`` receives the final hidden states ``[B, T, H]`` and returns the
+   micro-batch's weighted loss sum ``S = sum_t w_t * CE_t`` (float32, shape ``[1, 1, 1]``) in place of
+   logits; the model output's ``logits`` field carries ``S`` out. Nothing after the head may transform it,
+   so models that scale or soft-cap their logits after the head are refused.
+2. **Targets.** The batch carries ``labels`` and ``loss_weights`` aligned with the tokens the model sees.
+   By default position ``t`` predicts ``labels[t + 1]`` inside its row (labels not shifted, as the
+   collator writes them). A batch that holds only a slice of a row, where the next label may sit in
+   another slice, carries ``shift_labels`` and ``shift_loss_weights`` instead: already shifted, so
+   position ``t`` predicts ``shift_labels[t]``.
+3. **Guarantees.** Only target positions are gathered, and their logits are computed ``chunk_size`` rows
+   at a time and recomputed in backward, so no ``[tokens, vocab]`` buffer exists. The head's weight is
+   used inside the head module's own call, so FSDP and DeepSpeed ZeRO-3 gather it around forward and
+   backward as for any layer, and its gradient flows through the normal backward. ``S`` reads only the
+   hidden states and targets it is given, so it is exact on a slice of a row.
 
-``s_local`` is the micro-batch's sum of w_t * CE_t over its targets; the trainer divides it by the
-step's denominator (the sum of ``loss_weights`` over all micro-batches and ranks of the step).
+The trainer divides ``S`` by the step's denominator (the sum of ``loss_weights`` over all micro-batches
+and ranks of the step).
 
-Memory: only the target positions are gathered, and their logits are computed ``chunk_size`` rows at a
-time, in the model's dtype and upcast to float32 per chunk (as transformers' own loss upcasts); softmax
-and cross-entropy run in float32. Backward recomputes each chunk's logits instead of storing them, so the
-loss holds one float32 ``[chunk_size, V]`` buffer at a time (two with a soft-cap; plus the model-dtype
-product before the upcast when the model is not float32; 2 GiB at 4096 x 128k), and the head's gradient
-is summed over chunks in a float32 ``[V, H]`` buffer. ``benchmarks/loss_memory.py`` compares it with
-transformers' full-logits loss.
+Memory: logits are computed in the model's dtype and upcast to float32 per chunk (as transformers' own
+loss upcasts); softmax and cross-entropy run in float32. The loss holds one float32 ``[chunk_size, V]``
+buffer at a time (two with a soft-cap; plus the model-dtype product before the upcast when the model is
+not float32; 2 GiB at 4096 x 128k), and the head's gradient is summed over chunks in a float32 ``[V, H]``
+buffer. ``benchmarks/loss_memory.py`` compares it with transformers' full-logits loss.
 """
 
 from __future__ import annotations
 
+import functools
 import re
-import types
 from collections.abc import Mapping
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -178,6 +189,7 @@ def weighted_token_loss(
     final_logit_softcap: float | None = None,
     chunk_size: int = 4096,
     ignore_index: int = -100,
+    shifted: bool = False,
 ) -> torch.Tensor:
     """Sum over targets of ``w * cross_entropy`` (float32 scalar), shifting inside each row.
 
@@ -191,6 +203,9 @@ def weighted_token_loss(
         loss_weights  0  .5  .5  | 0   1
         hidden        h0  h1  h2 | h3  h4
         result = .5 * CE(h0 -> a1) + .5 * CE(h1 -> a2) + 1 * CE(h3 -> b1)     (h2, h4 predict nothing)
+
+    ``shifted=True`` takes ``labels`` / ``loss_weights`` as already shifted: ``hidden[..., t, :]``
+    predicts ``labels[..., t]`` (the form a slice of a row needs).
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size: must be >= 1, got {chunk_size}")
@@ -199,12 +214,16 @@ def weighted_token_loss(
             f"hidden {tuple(hidden.shape)} must be labels {tuple(labels.shape)} + (H,), "
             f"and loss_weights {tuple(loss_weights.shape)} must match labels"
         )
-    row_length = labels.shape[-1]
-    next_labels = labels.reshape(-1)[1:]
-    next_weights = loss_weights.reshape(-1)[1:]
-    position = torch.arange(1, labels.numel(), device=labels.device)
-    # Position p predicts label p + 1 unless p + 1 starts the next row of a [B, T] batch.
-    is_target = (next_labels != ignore_index) & (next_weights != 0) & (position % row_length != 0)
+    if shifted:
+        next_labels, next_weights = labels.reshape(-1), loss_weights.reshape(-1)
+        is_target = (next_labels != ignore_index) & (next_weights != 0)
+    else:
+        row_length = labels.shape[-1]
+        next_labels = labels.reshape(-1)[1:]
+        next_weights = loss_weights.reshape(-1)[1:]
+        position = torch.arange(1, labels.numel(), device=labels.device)
+        # Position p predicts label p + 1 unless p + 1 starts the next row of a [B, T] batch.
+        is_target = (next_labels != ignore_index) & (next_weights != 0) & (position % row_length != 0)
     rows = is_target.nonzero().squeeze(1)
     return _ChunkedLinearCrossEntropy.apply(
         hidden.reshape(-1, hidden.shape[-1])[rows],
@@ -285,40 +304,53 @@ def _unsupported_field(model: nn.Module, name: str, value: Any) -> str:
     )
 
 
-@contextmanager
-def loss_in_lm_head(model: nn.Module, batch: Mapping[str, Any], *, chunk_size: int, ignore_index: int):
-    """Make the (unwrapped) model's LM head return the weighted loss sum ``S`` instead of logits.
+class LossHead:
+    """The output layer of ``model`` made to return the micro-batch's weighted loss sum (see the contract).
 
-    While the block runs, ``model(...)`` returns ``S`` with shape ``[1, 1, 1]`` as its ``logits``; the full
-    ``[tokens, vocab]`` logits never exist. Models that transform the logits after the head (a logit scale
-    or soft-cap) would transform ``S`` too, so they are refused.
+    A context manager around one forward call of the (possibly wrapped) model::
+
+        with LossHead(inner_model, batch, chunk_size=4096):
+            s = model(**inputs, use_cache=False, logits_to_keep=0).logits.reshape(())
+
+    On entry the head is checked (:func:`lm_head_spec`) and its ``forward`` is replaced on the instance;
+    on exit the class's own ``forward`` is back, whatever happened in between.
     """
-    spec = lm_head_spec(model)
-    if spec.logit_scale is not None or spec.final_logit_softcap is not None:
-        raise ValueError(
-            f"{type(model).__name__}: the model scales or soft-caps its logits after the LM head, which the "
-            "loss computed inside the LM head cannot follow"
-        )
-    head = model.get_output_embeddings()
-    labels, weights = batch["labels"], batch["loss_weights"]
 
-    def forward(self: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+    def __init__(
+        self, model: nn.Module, batch: Mapping[str, Any], *, chunk_size: int, ignore_index: int = -100
+    ) -> None:
+        spec = lm_head_spec(model)
+        if spec.logit_scale is not None or spec.final_logit_softcap is not None:
+            raise ValueError(
+                f"{type(model).__name__}: the model scales or soft-caps its logits after the LM head, which "
+                "the loss computed inside the LM head cannot follow"
+            )
+        self.head = model.get_output_embeddings()
+        self.shifted = "shift_labels" in batch
+        prefix = "shift_" if self.shifted else ""
+        self.labels, self.weights = batch[prefix + "labels"], batch[prefix + "loss_weights"]
+        self.chunk_size, self.ignore_index = chunk_size, ignore_index
+
+    def forward(self, head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+        """What the head computes while installed: ``S`` as ``[1, 1, 1]`` from ``hidden [B, T, H]``."""
         total = weighted_token_loss(
             hidden,
-            self.weight,
-            labels,
-            weights,
-            lm_head_bias=self.bias,
-            chunk_size=chunk_size,
-            ignore_index=ignore_index,
+            head.weight,
+            self.labels,
+            self.weights,
+            lm_head_bias=head.bias,
+            chunk_size=self.chunk_size,
+            ignore_index=self.ignore_index,
+            shifted=self.shifted,
         )
         return total.reshape(1, 1, 1)
 
-    head.forward = types.MethodType(forward, head)
-    try:
-        yield
-    finally:
-        del head.forward
+    def __enter__(self) -> LossHead:
+        self.head.forward = functools.partial(self.forward, self.head)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del self.head.forward
 
 
 def weighted_loss_sum(
@@ -333,6 +365,6 @@ def weighted_loss_sum(
     while hasattr(inner, "module"):
         inner = inner.module
     inputs = {key: batch[key] for key in MODEL_INPUT_KEYS if key in batch}
-    with loss_in_lm_head(inner, batch, chunk_size=chunk_size, ignore_index=ignore_index):
+    with LossHead(inner, batch, chunk_size=chunk_size, ignore_index=ignore_index):
         outputs = model(**inputs, use_cache=False, logits_to_keep=0)
     return outputs.logits.reshape(())

@@ -30,7 +30,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from longalign.artifacts import atomic_output_dir, load_stage, write_report
-from longalign.config import STRATEGIES
+
+STRATEGIES = ("bfd", "ffd", "greedy", "sorted", "none")  # see pack()
 
 MAX_REPORTED_LINES = 20  # dropped samples whose line the report names
 SAMPLE_COLUMNS = ("input_ids", "labels", "length", "num_targets", "line")
@@ -63,6 +64,7 @@ def pack(
       samples of a pack keep their order and the last pack is kept.
     - ``sorted`` no packing: sort by length and cut runs of ``batch_size`` samples, so the samples of a
       batch have similar lengths. ``max_len`` bounds each sample, not the batch.
+    - ``none`` no packing: every sample is a row of its own.
 
     Equal lengths are taken in a seeded random order, so ``seed`` fixes the whole result::
 
@@ -76,7 +78,9 @@ def pack(
     if batch_size < 1 or (batch_size != 1 and strategy != "sorted"):
         raise ValueError(f"batch_size {batch_size}: must be >= 1, and only strategy 'sorted' takes one > 1")
     rng = np.random.default_rng(seed)
-    if strategy == "greedy":
+    if strategy == "none":
+        order = pack_of = np.arange(len(lengths))
+    elif strategy == "greedy":
         order = np.arange(len(lengths))
         pack_of = _next_fit(lengths, max_len)
     elif strategy == "sorted":
@@ -237,8 +241,8 @@ def packing_report(
     fill = pack_tokens / slots
     attention_cost = np.add.reduceat(seq_lens**2, starts)
     tokens = int(pack_tokens.sum())
-    # No row count can beat ceil(tokens / max_len) packs; sorted batches do not pack, so it does not apply.
-    lower_bound = None if strategy == "sorted" else math.ceil(tokens / max_len)
+    # No row count can beat ceil(tokens / max_len) packs; it does not apply where nothing is packed.
+    lower_bound = None if strategy in ("sorted", "none") else math.ceil(tokens / max_len)
     over_lower_bound = None if lower_bound is None else round(100 * (len(packs) / lower_bound - 1), 4)
     return {
         "strategy": strategy,

@@ -14,8 +14,9 @@ round trip, the host and device); rank 0 compares them and prints one table, one
     dataset: rank 1 differs from rank 0 (2 packs, ... vs 3 packs, ...). Fix: copy the same packed dataset ...
 
 Checks made with ``must_agree=False`` (host, device, free memory) are shown but never fail the preflight.
-``scripts/preflight.py`` runs it on its own; ``train.py`` runs it after building the trainer when
-``[training] preflight`` is true, or unset with more than one rank.
+``longalign preflight`` (``scripts/preflight.py``) runs it on its own, without a model; ``longalign train``
+runs it after building the trainer when ``[training] preflight`` is true, or unset with more than one rank
+(both in ``longalign.run``).
 """
 
 from __future__ import annotations
@@ -229,7 +230,7 @@ def rank_checks(
     """Everything this rank reports. Loaders are called here, so a rank that cannot load still reports."""
     environ = os.environ if environ is None else environ
     checks = version_checks()
-    checks.append(backend_check(device, dtype, cfg.model.backend))
+    checks.append(backend_check(device, dtype, cfg.model.attn_backend))
     checks.append(config_check(cfg))
     checks.append(attempt("tokenizer", lambda: tokenizer_check(load_tokenizer()), FIX_TOKENIZER))
     fix = FIX_DATASET.format(key="train_file")

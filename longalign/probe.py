@@ -1,10 +1,9 @@
 """Length-ladder memory probe: real training steps on a synthetic pack of each length, smallest first.
 
-``scripts/probe_memory.py`` runs every length in a fresh process that builds the run's own trainer (model,
-attention backend, precision, gradient checkpointing, sharding and loss chunking, all from the config)
-on synthetic packs of exactly that many tokens, and stops at the first length that fails. This module
-holds what needs no process management: length and size parsing, the synthetic packs, the measurement of
-the steps, the classification of a failure and the advice on what would raise the limit::
+``longalign probe`` (``scripts/probe_memory.py``) runs :func:`ladder`: every length in a fresh process
+per rank that builds the run's own trainer (``longalign.run.build_trainer``: model, attention backend,
+precision, gradient checkpointing, sharding and loss chunking, all from the config) on synthetic packs of
+exactly that many tokens, and stops at the first length that fails. The pieces::
 
     lengths "4k,8k,16k"  ->  [4096, 8192, 16384]
     steps per length     ->  {"peak_bytes": ..., "step_start_bytes": ..., "step_seconds": ...}
@@ -14,19 +13,29 @@ the steps, the classification of a failure and the advice on what would raise th
 from __future__ import annotations
 
 import json
+import os
 import re
 import resource
+import signal
+import socket
+import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Mapping
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
+import datasets
 import numpy as np
 import torch
-from transformers import Trainer, TrainerCallback
+import torch.distributed as dist
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from longalign.config import Config
+from longalign.config import Config, load_config
+from longalign.run import build_trainer, load_tokenizer
 
 _LENGTH = re.compile(r"(\d+)([km]?)", re.IGNORECASE)
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)", re.IGNORECASE)
@@ -366,8 +375,6 @@ def suggestions(
 
 
 def _default_batch_size() -> int:
-    from transformers import TrainingArguments
-
     return TrainingArguments.per_device_train_batch_size
 
 
@@ -403,3 +410,219 @@ def _offloads(args: Mapping[str, Any], environ: Mapping[str, str]) -> bool:
         environ.get(f"ACCELERATE_DEEPSPEED_{key}_DEVICE", "none") != "none"
         for key in ("OFFLOAD_OPTIMIZER", "OFFLOAD_PARAM")
     )
+
+
+# --- the ladder: one fresh process per length and rank --------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProbeRequest:
+    """What ``longalign probe`` was asked; a step process gets the same config path and overrides."""
+
+    config: Path
+    overrides: tuple[str, ...]
+    lengths: list[int]
+    max_memory: int | None
+    seed: int
+    output: Path
+    trace: bool
+
+
+def ladder(request: ProbeRequest, cfg: Config, say: Callable[[str], None]) -> int:
+    """Run the length ladder; rank 0 says the table and writes ``request.output``. The exit status.
+
+    0 when at least the smallest length fits (the table is the answer), 1 when none does.
+    """
+    datasets.disable_progress_bars()
+    ranks = Ranks(say)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a launcher stopping us: end the step too
+    vocab_size = len(load_tokenizer(cfg))
+    per_rank = cfg.training.args.get("per_device_train_batch_size", _default_batch_size())
+    entries: list[dict[str, Any]] = []
+    ranks.say(
+        f"probe of {request.config}: {ranks.world} rank(s), {per_rank} pack(s) of each length per rank and step"
+    )
+    ranks.say(format_row(None))
+    with tempfile.TemporaryDirectory(prefix="longalign-probe-") as tmp:
+        for length in request.lengths:
+            pack = synthetic_pack(length, vocab_size=vocab_size, seed=request.seed)
+            work = Path(tmp) / format_length(length)
+            datasets.Dataset.from_list([pack] * (per_rank * ranks.world)).save_to_disk(str(work / "packs"))
+            result = _run_length(request, length, work, ranks)
+            entry = combine_ranks(length, ranks.gather(result), max_memory=request.max_memory)
+            entry.update(samples_per_pack=len(pack["seq_lens"]), packs_per_rank=per_rank)
+            entries.append(entry)
+            ranks.say(format_row(entry))
+            if entry["status"] != FITS:
+                break
+    for length in request.lengths[len(entries) :]:
+        ranks.say(format_row(length))
+    if ranks.rank == 0:
+        _report(request, cfg, entries, ranks.world, vocab_size=vocab_size, say=say)
+    return 0 if entries[0]["status"] == FITS else 1
+
+
+def _report(
+    request: ProbeRequest,
+    cfg: Config,
+    entries: list[dict[str, Any]],
+    world: int,
+    *,
+    vocab_size: int,
+    say: Callable[[str], None],
+) -> None:
+    """Rank 0: the headline, the failure with its advice, and the JSON report."""
+    say("")
+    say(headline(entries))
+    last = entries[-1]
+    advice = []
+    if last["status"] == OUT_OF_MEMORY:
+        on_gpu = torch.cuda.is_available() and not cfg.training.args.get("use_cpu")
+        advice = suggestions(
+            cfg, device_type="cuda" if on_gpu else "cpu", vocab_size=vocab_size, environ=os.environ
+        )
+        say("what would raise the limit:")
+        say("\n".join(f"  {i}. {line}" for i, line in enumerate(advice, 1)))
+    if last.get("traceback") and request.trace:
+        say(last["traceback"].rstrip("\n"))
+    elif last.get("traceback"):
+        say(f"(traceback in {request.output}; --trace prints it)")
+    summary = {
+        "config": str(request.config),
+        "overrides": list(request.overrides),
+        "lengths": request.lengths,
+        "packs_per_rank": entries[0]["packs_per_rank"],
+        "world_size": world,
+        "max_memory": request.max_memory,
+        "largest_fitting_length": max((e["length"] for e in entries if e["status"] == FITS), default=None),
+        "suggestions": advice,
+        "table": format_table(entries, request.lengths),
+        "results": entries,
+    }
+    request.output.parent.mkdir(parents=True, exist_ok=True)
+    request.output.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    say(f"wrote {request.output}")
+
+
+def _run_length(request: ProbeRequest, length: int, work: Path, ranks: Ranks) -> dict[str, Any]:
+    """This rank's step at ``length`` in a fresh process; its result, or why it has none."""
+    result_path, log_path = work / "result.json", work / "worker.log"
+    command = [
+        sys.executable, "-m", "longalign", "probe", "--config", str(request.config),
+        "--worker", str(length), "--packs", str(work / "packs"), "--result", str(result_path),
+        *(["--max-memory", str(request.max_memory)] if request.max_memory else []), *request.overrides,
+    ]  # fmt: skip
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=ranks.worker_env())
+        try:
+            stopped = ranks.wait(process, length)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    if result_path.exists():
+        result = json.loads(result_path.read_text())
+    elif stopped:
+        result = {"status": STOPPED, "error": "ended because another rank failed"}
+    else:
+        code = process.returncode
+        why = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
+        oom = code == -signal.SIGKILL  # what the kernel's out-of-memory killer sends
+        result = {
+            "status": OUT_OF_MEMORY if oom else ERROR,
+            "error": f"the step's process was {why}"
+            + (" (the kernel's out-of-memory killer?)" if oom else ""),
+            "traceback": log_path.read_text(errors="replace")[-4000:],
+        }
+    if result["status"] not in (FITS, STOPPED):
+        ranks.flag_failure(length)
+    return {"rank": ranks.rank, **result}
+
+
+def step_worker(request: ProbeRequest, length: int, packs: Path, result_path: Path) -> NoReturn:
+    """The steps at ``length`` tokens per pack, in the fresh process; writes the result and leaves at once."""
+    result: dict[str, Any] = {}
+    try:
+        if request.max_memory is not None and torch.cuda.is_available():
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, request.max_memory / total), device)
+        overrides = probe_overrides(length, train_file=packs, output_dir=packs.parent / "run")
+        trainer = build_trainer(load_config(request.config, [*request.overrides, *overrides]))
+        result = {"status": FITS, **measure_steps(trainer)}
+    except Exception as err:  # any failure is the answer for this length, reported in one line
+        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        result = {
+            "status": classify_failure(err),
+            "error": f"{type(err).__name__}: {first_line[:300]}",
+            "traceback": traceback.format_exc(),
+        }
+    result_path.write_text(json.dumps(result))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Leave without interpreter teardown: after a failure, peers may hold collectives open forever.
+    os._exit(0)
+
+
+class Ranks:
+    """The probe's own processes, one per rank under ``accelerate launch`` (just this one otherwise).
+
+    Each is the parent of its rank's step processes. Per length, the step processes form a process
+    group of their own on a fresh port; when one rank's step fails, the others' steps (possibly waiting
+    in a collective for it) are ended, through a key-value store the parents share.
+    """
+
+    def __init__(self, say: Callable[[str], None]) -> None:
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self._say = say
+        self.store: dist.TCPStore | None = None
+        if self.world > 1:
+            dist.init_process_group("gloo")
+            host = os.environ["MASTER_ADDR"]
+            if self.rank == 0:
+                self.store = dist.TCPStore(host, 0, self.world, True, wait_for_workers=False)
+            port = [self.store.port if self.store else None]
+            dist.broadcast_object_list(port, src=0)
+            if self.rank != 0:
+                self.store = dist.TCPStore(host, port[0], self.world, False)
+
+    def say(self, line: str) -> None:
+        if self.rank == 0:
+            self._say(line)
+
+    def worker_env(self) -> dict[str, str]:
+        """The step's environment: under a launcher, a fresh rendezvous that rank 0's step hosts."""
+        env = dict(os.environ)
+        if "MASTER_ADDR" in env:
+            port = [_free_port() if self.rank == 0 else None]
+            if self.world > 1:
+                dist.broadcast_object_list(port, src=0)
+            # Not the launcher's store: each length's steps form a process group of their own.
+            env.update(MASTER_PORT=str(port[0]), TORCHELASTIC_USE_AGENT_STORE="False")
+        return env
+
+    def wait(self, process: subprocess.Popen, length: int) -> bool:
+        """Wait for the step to end; ``True`` when it was ended because another rank failed."""
+        while process.poll() is None:
+            if self.store is not None and self.store.check([f"failed/{length}"]):
+                return True
+            time.sleep(0.2)
+        return False
+
+    def flag_failure(self, length: int) -> None:
+        if self.store is not None:
+            self.store.set(f"failed/{length}", str(self.rank))
+
+    def gather(self, result: dict[str, Any]) -> list[dict[str, Any]]:
+        if self.world == 1:
+            return [result]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, result)
+        return out
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]

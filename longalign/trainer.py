@@ -3,7 +3,7 @@
 One optimizer step sees G = gradient_accumulation_steps micro-batches on each of W ranks. Before the first
 backward of the step, the trainer sums the loss weights of all G x W micro-batches into the step's
 denominator D (sum of N_i for ``token_level``, the number of samples M for ``sequence_level``; see
-``longalign.data``). Each micro-batch then backpropagates ``S_local / D * W``, where ``S_local`` is its
+``longalign.batching``). Each micro-batch then backpropagates ``S_local / D * W``, where ``S_local`` is its
 weighted loss sum: DDP, FSDP and DeepSpeed average gradients over ranks, so the step's gradient is the
 gradient of ``sum(S) / D`` however the samples were split into packs, micro-batches and ranks::
 
@@ -12,131 +12,21 @@ gradient of ``sum(S) / D`` however the samples were split into packs, micro-batc
       micro-batch 2                        S=2.0 (w 1)       S=0.5 (w 1)
       D = 2 + 1 + 1 + 1 = 5;  loss = (3 + 2 + 1 + 0.5) / 5, exactly, whatever the split
 
-``build_trainer(cfg)`` makes the whole run from a :class:`longalign.config.Config` (model, packs, trainer);
-``train.py``, ``scripts/probe_memory.py`` and ``scripts/preflight.py`` all start from it.
+Batches come from ``longalign.batching``; the loss from ``longalign.loss``. ``longalign.run`` builds the
+trainer from a run file.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
-from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
-import numpy as np
-import pyarrow.compute as pc
 import torch
-import transformers
-from torch.utils.data import DataLoader, Dataset
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
+from torch.utils.data import DataLoader
+from transformers import Trainer
 
-import longalign.patch
-from longalign.artifacts import load_stage
-from longalign.config import Config, ConfigError
-from longalign.data import PackCollator
+from longalign.batching import PackCollator, PackDataLoader, pack_loader
 from longalign.loss import weighted_loss_sum
-from longalign.packing import write_packs
-
-
-def pack_costs(packs) -> np.ndarray:
-    """Attention cost of every pack row, ``sum(l_i ** 2)`` over its samples (what varlen attention pays)."""
-    seq_lens = packs.data.column("seq_lens").combine_chunks()
-    lengths = pc.list_flatten(seq_lens).to_numpy().astype(np.float64)
-    parents = pc.list_parent_indices(seq_lens).to_numpy()
-    return np.bincount(parents, weights=lengths**2, minlength=len(packs))
-
-
-class PackBatchSampler:
-    """Micro-batches of pack indices for one rank: seeded reshuffle per epoch, ranks balanced by cost.
-
-    Each global micro-step takes the next ``packs_per_batch * num_replicas`` packs of the epoch's order
-    and deals them to ranks largest-cost first, each to the least-loaded rank with room, so ranks wait
-    less for the slowest. Every rank gets the same number of micro-batches: where the last step has too
-    few packs, a rank gets a copy of a pack with ``active=False``, which the trainer weighs 0 (it keeps
-    the collectives in step and adds nothing to the loss)::
-
-        costs [9, 1, 4, 4], 2 ranks x 1 pack:  step 1 -> rank 0 gets 9, rank 1 gets 4 ...
-        yields [(pack_index, active), ...] per micro-batch
-    """
-
-    def __init__(
-        self,
-        costs: Sequence[float] | np.ndarray,
-        *,
-        packs_per_batch: int = 1,
-        num_replicas: int = 1,
-        rank: int = 0,
-        seed: int = 0,
-        shuffle: bool = True,
-    ) -> None:
-        if len(costs) == 0:
-            raise ValueError("PackBatchSampler: no packs")
-        if not 0 <= rank < num_replicas:
-            raise ValueError(f"PackBatchSampler: rank {rank} outside 0..{num_replicas - 1}")
-        self.costs = np.asarray(costs, dtype=np.float64)
-        self.packs_per_batch = packs_per_batch
-        self.num_replicas = num_replicas
-        self.rank = rank
-        self.seed = seed
-        self.shuffle = shuffle
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        return -(-len(self.costs) // (self.packs_per_batch * self.num_replicas))
-
-    def __iter__(self) -> Iterator[list[tuple[int, bool]]]:
-        n = len(self.costs)
-        order = (
-            np.random.default_rng([self.seed, self.epoch]).permutation(n) if self.shuffle else np.arange(n)
-        )
-        group = self.packs_per_batch * self.num_replicas
-        for start in range(0, n, group):
-            yield self._deal(order[start : start + group])[self.rank]
-
-    def _deal(self, packs: np.ndarray) -> list[list[tuple[int, bool]]]:
-        by_cost = sorted(packs.tolist(), key=lambda i: (-self.costs[i], i))
-        ranks: list[list[tuple[int, bool]]] = [[] for _ in range(self.num_replicas)]
-        load = [0.0] * self.num_replicas
-        for index in by_cost:
-            open_ranks = [r for r in range(self.num_replicas) if len(ranks[r]) < self.packs_per_batch]
-            target = min(open_ranks, key=lambda r: (load[r], r))
-            ranks[target].append((index, True))
-            load[target] += self.costs[index]
-        for assigned in ranks:
-            if not assigned:
-                assigned.append((by_cost[-1], False))
-        return ranks
-
-
-class PackRows(Dataset):
-    """Pack rows by ``(index, active)``; an inactive row keeps its tokens but has no targets."""
-
-    def __init__(self, packs, ignore_index: int = -100) -> None:
-        self.packs = packs.select_columns(["input_ids", "labels", "cu_seqlens"])
-        self.ignore_index = ignore_index
-
-    def __len__(self) -> int:
-        return len(self.packs)
-
-    def __getitem__(self, key: tuple[int, bool]) -> dict[str, Any]:
-        index, active = key
-        row = self.packs[int(index)]
-        if not active:
-            row["labels"] = [self.ignore_index] * len(row["labels"])
-        row["active"] = active
-        return row
-
-
-class PackDataLoader(DataLoader):
-    """A DataLoader whose ``set_epoch`` reaches the pack sampler (Trainer calls it every epoch)."""
-
-    def set_epoch(self, epoch: int) -> None:
-        self.batch_sampler.set_epoch(epoch)
 
 
 class LongAlignTrainer(Trainer):
@@ -172,29 +62,16 @@ class LongAlignTrainer(Trainer):
     # --- data ------------------------------------------------------------------------------------------
 
     def _pack_loader(self, packs, *, batch_size: int, shuffle: bool) -> PackDataLoader:
-        sampler = PackBatchSampler(
-            pack_costs(packs),
-            packs_per_batch=batch_size,
+        # Not passed through accelerator.prepare: the sampler already shards by rank, and
+        # Trainer moves each batch to the device itself.
+        return pack_loader(
+            packs,
+            self.data_collator,
+            batch_size=batch_size,
             num_replicas=self.accelerator.num_processes,
             rank=self.accelerator.process_index,
             seed=self.pack_seed,
             shuffle=shuffle,
-        )
-        rows = PackRows(packs, self.ignore_index)
-        collate = self.data_collator
-
-        def collate_with_count(batch: list[dict[str, Any]]) -> dict[str, Any]:
-            out = collate(batch)
-            out["num_packs"] = sum(row["active"] for row in batch)
-            out["num_samples"] = sum(len(row["cu_seqlens"]) - 1 for row in batch if row["active"])
-            return out
-
-        # Not passed through accelerator.prepare: the sampler already shards by rank, and
-        # Trainer moves each batch to the device itself.
-        return PackDataLoader(
-            rows,
-            batch_sampler=sampler,
-            collate_fn=collate_with_count,
             num_workers=self.args.dataloader_num_workers,
             pin_memory=self.args.dataloader_pin_memory,
         )
@@ -301,84 +178,3 @@ class LongAlignTrainer(Trainer):
                 logs["packing_efficiency"] = round(window["tokens"] / (window["packs"] * self.max_seq_len), 4)
             window.update(tokens=0.0, samples=0.0, packs=0.0, steps=0)
         super().log(logs, start_time)
-
-
-# --- building a run from its config (train.py, the probe and the preflight share these) -------------
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def load_model(cfg: Config) -> torch.nn.Module:
-    """The model of ``[model]`` (pretrained, or random from ``init_from_config``), patched for packed input."""
-    mc = cfg.model
-    if mc.init_from_config is not None:
-        settings = dict(mc.init_from_config)
-        config = AutoConfig.for_model(settings.pop("model_type"), **settings)
-        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES.get(mc.torch_dtype, torch.float32))
-    else:
-        model = AutoModelForCausalLM.from_pretrained(
-            mc.model_name_or_path,
-            dtype=DTYPES.get(mc.torch_dtype, "auto"),
-            trust_remote_code=mc.trust_remote_code,
-        )
-    return longalign.patch.apply(model, backend=mc.backend)
-
-
-def resolve_packs(path: str, cfg: Config, args: TrainingArguments):
-    """Packs at ``path``: a packed directory as is, or a tokenized one packed once and cached."""
-    dataset = load_stage(path)
-    if "cu_seqlens" in dataset.column_names:
-        return dataset
-    if "length" not in dataset.column_names:
-        raise ConfigError(
-            f"{path}: neither a packed nor a pre-tokenized dataset (columns {dataset.column_names})"
-        )
-    packing = cfg.packing
-    # packing = false: one sample per row, in shuffled order (a "sorted" batch of one).
-    strategy = packing.strategy if packing.packing else "sorted"
-    batch_size = packing.batch_size if packing.packing and strategy == "sorted" else 1
-    settings = {
-        "max_seq_len": cfg.data.max_seq_len,
-        "strategy": strategy,
-        "batch_size": batch_size,
-        "seed": packing.seed,
-        "drop_long": packing.drop_long,
-    }
-    source = Path(path)
-    key = hashlib.sha256(
-        json.dumps(
-            [settings, (source / "state.json").read_text(), (source / "report.json").read_text()]
-        ).encode()
-    ).hexdigest()[:12]
-    cache_root = Path(cfg.data.packed_cache_dir or Path(args.output_dir) / "packed")
-    cache = cache_root / f"{source.resolve().name}-{key}"
-    with args.main_process_first(desc=f"packing {path}"):
-        if not cache.exists():
-            write_packs(source, cache, **settings)
-    return load_stage(cache)
-
-
-def build_trainer(cfg: Config) -> LongAlignTrainer:
-    """Everything a run sets up before ``train()``: arguments, tokenizer, model, packs, trainer."""
-    args = TrainingArguments(
-        output_dir=cfg.training.output_dir, remove_unused_columns=False, **cfg.training.args
-    )
-    if not cfg.data.train_file:
-        raise ConfigError("data.train_file: set it to a packed or pre-tokenized dataset directory")
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.model_name_or_path)
-    transformers.set_seed(args.seed)
-    model = load_model(cfg)
-    train_packs = resolve_packs(cfg.data.train_file, cfg, args)
-    eval_packs = resolve_packs(cfg.data.eval_file, cfg, args) if cfg.data.eval_file else None
-    return LongAlignTrainer(
-        model=model,
-        args=args,
-        train_dataset=train_packs,
-        eval_dataset=eval_packs,
-        processing_class=tokenizer,
-        weighting=cfg.loss.weighting,
-        max_seq_len=cfg.data.max_seq_len,
-        loss_chunk_size=cfg.loss.chunk_size,
-        ignore_index=cfg.loss.ignore_index,
-        pack_seed=cfg.packing.seed,
-    )

@@ -17,6 +17,11 @@ positions and attention through transformers' ``AttentionInterface`` take the ``
 
 from __future__ import annotations
 
+if __name__ != "longalign.patch":
+    # The directory is installed as longalign.patch (pyproject's package-dir). Loaded under another name
+    # (`import patch` from the repository root) it would be a second module with its own registry.
+    raise ImportError(f"import longalign.patch, not {__name__}: patch/ is installed as longalign.patch")
+
 import torch
 
 from . import generic

@@ -12,31 +12,16 @@ import tempfile
 
 import datasets
 import torch
-from accelerate import PartialState
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+from conftest import TINY, pack_row, tiny_model
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
-import longalign.patch
-from longalign.data import PackCollator
+from longalign.batching import PackCollator
+from longalign.run import close
 from longalign.trainer import LongAlignTrainer
 
-VOCAB = 61
+VOCAB = TINY["vocab_size"]
 # (length, prompt tokens): the prompt is not a target; the last sample has no target at all.
 SAMPLES = [(9, 3), (4, 1), (17, 5), (6, 2), (12, 11), (3, 1), (14, 4), (5, 5)]
-
-
-def tiny_model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    return longalign.patch.apply(LlamaForCausalLM(config), backend="sdpa_segments")
 
 
 def samples() -> list[tuple[list[int], list[int]]]:
@@ -49,20 +34,9 @@ def samples() -> list[tuple[list[int], list[int]]]:
 
 
 def packs(samples_per_pack: int) -> datasets.Dataset:
-    rows = []
     items = samples()
-    for start in range(0, len(items), samples_per_pack):
-        group = items[start : start + samples_per_pack]
-        seq_lens = [len(ids) for ids, _ in group]
-        rows.append(
-            {
-                "input_ids": [t for ids, _ in group for t in ids],
-                "labels": [t for _, labels in group for t in labels],
-                "cu_seqlens": [sum(seq_lens[:i]) for i in range(len(seq_lens) + 1)],
-                "seq_lens": seq_lens,
-            }
-        )
-    return datasets.Dataset.from_list(rows)
+    groups = [items[start : start + samples_per_pack] for start in range(0, len(items), samples_per_pack)]
+    return datasets.Dataset.from_list([pack_row(group) for group in groups])
 
 
 class GradientCapture(TrainerCallback):
@@ -105,7 +79,7 @@ def one_step(weighting: str, samples_per_pack: int, accumulation: int, *, stock:
             disable_tqdm=True,
         )
         common = {
-            "model": tiny_model(),
+            "model": tiny_model(backend="sdpa_segments"),
             "args": args,
             "train_dataset": packs(samples_per_pack),
             "callbacks": [capture],
@@ -123,4 +97,4 @@ if __name__ == "__main__":
     grads = one_step(weighting, per_pack, accumulation)
     if int(torch.distributed.get_rank()) == 0:
         torch.save(grads, path)
-    PartialState().destroy_process_group()  # a gloo group alive at interpreter exit can abort the rank
+    close()

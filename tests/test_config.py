@@ -52,7 +52,11 @@ def test_sections_and_aliases(tmp_path):
         "lr_scheduler_type": "cosine",
         "bf16": True,
     }
-    assert cfg.model.backend == "sdpa_segments"  # use_flash_attention = false pins the exact CPU path
+    assert cfg.model.attn_backend == "sdpa_segments"  # use_flash_attention = false pins the exact CPU path
+    assert cfg.source("model.attn_backend") == f"{tmp_path / 'run.toml'} (as model.use_flash_attention)"
+    assert cfg.source("training.per_device_train_batch_size").endswith("(as training.per_device_batch_size)")
+    assert cfg.source("packing.strategy") == str(tmp_path / "run.toml")
+    assert cfg.source("packing.seed") == "default"
 
 
 def test_overrides_are_typed_and_win(tmp_path):
@@ -69,15 +73,78 @@ def test_overrides_are_typed_and_win(tmp_path):
     assert cfg.loss.weighting == "sequence_level"
     assert cfg.training.args["max_steps"] == 3
     assert cfg.model.attn_backend == "auto"
+    assert cfg.source("model.attn_backend") == "command line"
 
 
-def test_sort_by_length_means_sorted_batching():
-    cfg = load_config(None, ["model.model_name_or_path=m", "packing.sort_by_length=true"])
-    assert cfg.packing.strategy == "sorted"
-    with pytest.raises(ConfigError, match="sort_by_length"):
-        load_config(
-            None, ["model.model_name_or_path=m", "packing.sort_by_length=true", "packing.strategy=ffd"]
-        )
+M = "model.model_name_or_path=m"
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["packing.sort_by_length=true"], ("packing.strategy", "sorted")),
+        (["packing.sort_by_length=false"], ("packing.strategy", "bfd")),  # sets nothing
+        (["packing.packing=false"], ("packing.strategy", "none")),
+        (["packing.packing=true", "packing.strategy='greedy'"], ("packing.strategy", "greedy")),
+        (["model.use_flash_attention=false"], ("model.attn_backend", "sdpa_segments")),
+        (["model.use_flash_attention=true"], ("model.attn_backend", "auto")),
+        (["training.warmup_ratio=0.1"], ("training.warmup_steps", 0.1)),
+    ],
+)
+def test_aliases_resolve_to_one_canonical_key(overrides, expected):
+    cfg = load_config(None, [M, *overrides])
+    key, value = expected
+    section, _, name = key.partition(".")
+    got = cfg.training.args[name] if section == "training" else getattr(getattr(cfg, section), name)
+    assert got == value
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["packing.sort_by_length=true", "packing.strategy=ffd"],
+            'packing.sort_by_length = true means packing.strategy = "sorted", but packing.strategy = "ffd"',
+        ),
+        (
+            ["packing.packing=false", "packing.sort_by_length=true"],
+            'packing.sort_by_length = true means packing.strategy = "sorted", but packing.packing = false '
+            '\\(means "none"\\)',
+        ),
+        (
+            ["packing.packing=true", "packing.strategy=none"],
+            'packing.packing = true contradicts packing.strategy = "none"',
+        ),
+        (
+            ["model.use_flash_attention=false", "model.attn_backend=flash_attn"],
+            'model.use_flash_attention = false means model.attn_backend = "sdpa_segments", but '
+            'model.attn_backend = "flash_attn"',
+        ),
+        (
+            ["training.per_device_batch_size=2", "training.per_device_train_batch_size=4"],
+            "training.per_device_batch_size = 2 means training.per_device_train_batch_size = 2, but "
+            "training.per_device_train_batch_size = 4",
+        ),
+        (["packing.sort_by_length='yes'"], "packing.sort_by_length: expected bool, got str"),
+        (["training.per_device_batch_size='two'"], "training.per_device_batch_size: expected int"),
+    ],
+)
+def test_contradicting_aliases_name_both_keys(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [M, *overrides])
+
+
+def test_command_line_wins_over_an_alias_in_the_file(tmp_path):
+    path = write(tmp_path, "[packing]\nsort_by_length = true\n[model]\nmodel_name_or_path = 'm'\n")
+    assert load_config(path).packing.strategy == "sorted"
+    cfg = load_config(path, ["packing.strategy=bfd"])
+    assert cfg.packing.strategy == "bfd" and cfg.source("packing.strategy") == "command line"
+
+
+def test_training_keys_the_run_sets_itself():
+    load_config(None, [M, "training.remove_unused_columns=false"])  # the value the run needs
+    with pytest.raises(ConfigError, match="training.remove_unused_columns: longalign sets it to false"):
+        load_config(None, [M, "training.remove_unused_columns=true"])
 
 
 @pytest.mark.parametrize(
@@ -122,7 +189,7 @@ def test_to_dict_is_flat_tables(tmp_path):
     out = load_config(write(tmp_path, RUN)).to_dict()
     assert list(out) == ["data", "packing", "loss", "training", "model"]
     assert out["training"]["per_device_train_batch_size"] == 2 and "args" not in out["training"]
-    assert out["model"]["use_flash_attention"] is False
+    assert out["model"]["attn_backend"] == "sdpa_segments" and "use_flash_attention" not in out["model"]
 
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

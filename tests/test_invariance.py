@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from invariance_run import SAMPLES, one_step
+from conftest import launch, needs_launcher, tiny_model
+from invariance_run import SAMPLES, one_step, samples
 
 HERE = Path(__file__).resolve().parent
 N = len(SAMPLES)
@@ -45,35 +42,13 @@ def test_accumulation_of_four(weighting, reference):
     assert_same(one_step(weighting, samples_per_pack=N // 4, accumulation=4), reference)
 
 
-@pytest.mark.skipif(
-    shutil.which("accelerate") is None and not (Path(sys.executable).parent / "accelerate").exists(),
-    reason="accelerate launcher not installed",
-)
+@pytest.mark.integration
+@needs_launcher
 def test_two_ranks_times_accumulation_two(weighting, reference, tmp_path):
     out = tmp_path / "grads.pt"
-    launcher = Path(sys.executable).parent / "accelerate"
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "PYTHONPATH": str(HERE), "OMP_NUM_THREADS": "1"}
-    cmd = [
-        str(launcher),
-        "launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "--main_process_port",
-        "0",
-        str(HERE / "invariance_run.py"),
-        str(out),
-        weighting,
-        str(N // 4),
-        "2",
-    ]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    result = launch(
+        HERE / "invariance_run.py", str(out), weighting, str(N // 4), "2", env={"PYTHONPATH": str(HERE)}
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert_same(torch.load(out), reference)
 
@@ -88,9 +63,7 @@ def test_stock_trainer_is_token_level_not_sequence_level():
 def test_step_gradient_is_the_gradient_of_the_defined_loss(weighting, reference):
     """Each sample alone with full logits: token_level = sum of all CE / sum N_i, sequence_level = mean over
     samples of each sample's mean CE. The trainer's step gradient is the gradient of that loss."""
-    from invariance_run import samples, tiny_model
-
-    model = tiny_model()
+    model = tiny_model(backend="sdpa_segments")
     per_sample = []
     for ids, labels in samples():
         logits = model(input_ids=torch.tensor([ids])).logits[0]

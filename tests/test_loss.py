@@ -1,5 +1,6 @@
 import pytest
 import torch
+from conftest import TINY, tiny_model
 from torch.nn import functional as F
 from transformers import (
     CohereConfig,
@@ -12,21 +13,11 @@ from transformers import (
     LlamaForCausalLM,
 )
 
-from longalign.data import PackCollator, PaddedCollator
-from longalign.loss import lm_head_spec, weighted_loss_sum, weighted_token_loss
+from longalign.batching import PackCollator, PaddedCollator
+from longalign.loss import LossHead, lm_head_spec, weighted_loss_sum, weighted_token_loss
 
 X = -100
-VOCAB, HIDDEN = 37, 16
-TINY = {
-    "vocab_size": VOCAB,
-    "hidden_size": HIDDEN,
-    "intermediate_size": 32,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 4,
-    "max_position_embeddings": 64,
-}
+VOCAB, HIDDEN = TINY["vocab_size"], TINY["hidden_size"]
 
 
 def reference_loss(hidden, weight, labels, loss_weights, bias=None, scale=None, softcap=None):
@@ -127,6 +118,36 @@ def test_rows_of_a_batch_shift_separately():
     torch.testing.assert_close(weighted_token_loss(hidden, weight, labels, weights, chunk_size=3), expected)
 
 
+def test_pre_shifted_targets_make_slices_of_a_row_add_up_to_the_row():
+    """Cut a row into slices (as the ranks of a sequence-parallel group hold it), targets shifted over the
+    whole row first: the slices' sums add up to the row's. Shifting inside each slice loses the target
+    that sits across each cut."""
+    batch = PackCollator(weighting="sequence_level")(random_packs(seed=2))
+    labels, weights = batch["labels"], batch["loss_weights"]
+    hidden, weight, _ = leaves(seed=2, num_tokens=labels.shape[1], bias=False)
+    whole = weighted_token_loss(hidden, weight, labels, weights, chunk_size=3)
+    shift_labels = torch.cat([labels[:, 1:], torch.full((1, 1), X)], dim=1)
+    shift_weights = torch.cat([weights[:, 1:], torch.zeros(1, 1)], dim=1)
+    cuts = [slice(0, 7), slice(7, 15), slice(15, None)]
+    sliced = sum(
+        weighted_token_loss(
+            hidden[:, cut], weight, shift_labels[:, cut], shift_weights[:, cut], chunk_size=3, shifted=True
+        )
+        for cut in cuts
+    )
+    torch.testing.assert_close(sliced, whole)
+    naive = sum(weighted_token_loss(hidden[:, cut], weight, labels[:, cut], weights[:, cut]) for cut in cuts)
+    assert not torch.allclose(naive, whole)
+
+
+def test_loss_head_puts_the_head_back_after_an_error(llama):
+    batch = PackCollator()(random_packs(seed=4))
+    with pytest.raises(RuntimeError, match="boom"), LossHead(llama, batch, chunk_size=4):
+        assert "forward" in vars(llama.lm_head)
+        raise RuntimeError("boom")
+    assert "forward" not in vars(llama.lm_head)
+
+
 def test_samples_without_targets_contribute_nothing():
     hidden, weight, _ = leaves(seed=5, num_tokens=6, bias=False)
     labels = torch.tensor([[X, 3, 4, X, X, X]])  # second sample (positions 3-5) has no targets
@@ -180,8 +201,7 @@ def test_shape_mismatch_is_an_error():
 
 @pytest.fixture(scope="module")
 def llama():
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**TINY)).eval()
+    return tiny_model("llama").eval()
 
 
 def test_weighted_loss_sum_equals_full_logits_and_keeps_samples_apart(llama):

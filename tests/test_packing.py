@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import datasets
@@ -281,16 +280,3 @@ def test_build_pack_table_draws_cu_seqlens_per_pack():
     assert table["seq_lens"].to_pylist() == [[4, 3], [2]]
     assert table["lines"].to_pylist() == [[7, 1], [4]]
     assert table["input_ids"].to_pylist()[1] == columns["input_ids"][1]
-
-
-def test_script_writes_plot_and_prints_summary(tokenized, tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("sort_and_group", ROOT / "scripts" / "sort_and_group.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    out = tmp_path / "packed"
-    assert script.main(["--input", str(tokenized), "--output", str(out), "--max-seq-len", "64"]) == 0
-    assert (out / script.PLOT_NAME).stat().st_size > 0
-    printed = capsys.readouterr().out
-    assert "efficiency" in printed and "lower bound" in printed
-    assert script.main(["--input", str(tokenized), "--output", str(out), "--max-seq-len", "8"]) == 2
-    assert "sort_and_group: error: line" in capsys.readouterr().err

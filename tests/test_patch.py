@@ -8,49 +8,21 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import (
-    Glm4Config,
-    Glm4ForCausalLM,
-    GlmConfig,
-    GlmForCausalLM,
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-)
+from conftest import TINY, tiny_model
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import longalign.patch
 import longalign.patch.interface
 from longalign.patch import ATTENTION_NAMES, UnsupportedModelError, apply, check_model
 
-VOCAB = 64
+VOCAB = TINY["vocab_size"]
 LENGTHS = [7, 1, 12, 5]  # a single-token sample, and samples longer than Mistral's window
-TINY = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,  # grouped-query attention
-    head_dim=8,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-MODELS = {
-    "llama": (LlamaForCausalLM, LlamaConfig(**TINY)),
-    "glm": (GlmForCausalLM, GlmConfig(**TINY)),  # partial rotary: half of each head rotates
-    "glm4": (Glm4ForCausalLM, Glm4Config(**TINY)),
-    "mistral": (MistralForCausalLM, MistralConfig(**TINY, sliding_window=4)),  # generic path, with a window
-}
+# Mistral takes the generic path, here with a sliding window shorter than some samples.
+MODELS = {"llama": {}, "glm": {}, "glm4": {}, "mistral": {"sliding_window": 4}}
 
 
-def tiny_model(kind: str, seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    cls, config = MODELS[kind]
-    return cls(copy.deepcopy(config))
+def model_of(kind: str, seed: int = 0) -> torch.nn.Module:
+    return tiny_model(kind, seed=seed, **MODELS[kind])
 
 
 def packed_batch(lengths: list[int], *, boundaries: str = "cu_seq_lens") -> dict:
@@ -104,7 +76,7 @@ def grads(model) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("boundaries", ["cu_seq_lens", "position_ids"])
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_packed_equals_each_sample_alone(monkeypatch, kind, boundaries, checkpointing):
-    model = tiny_model(kind).train()
+    model = model_of(kind).train()
     reference = copy.deepcopy(model)
     reference.set_attn_implementation("eager")
     reference.config.use_cache = False
@@ -138,7 +110,7 @@ def test_packed_equals_each_sample_alone(monkeypatch, kind, boundaries, checkpoi
 @pytest.mark.parametrize("use_cache, contaminated", [(True, True), (False, False)])
 def test_transformers_sdpa_without_the_patch_leaks_across_samples_when_caching(use_cache, contaminated):
     """The failure the patch prevents: with a KV cache, transformers' sdpa ignores the position_ids packing."""
-    model = tiny_model("llama")
+    model = model_of("llama")
     model.config.use_cache = use_cache
     model.set_attn_implementation("sdpa")
     batch = packed_batch(LENGTHS, boundaries="position_ids")
@@ -152,7 +124,7 @@ def test_transformers_sdpa_without_the_patch_leaks_across_samples_when_caching(u
 
 
 def test_apply_selects_varlen_attention_and_disables_the_cache():
-    model = tiny_model("glm4")
+    model = model_of("glm4")
     assert model.config.use_cache
     assert apply(model) is model
     assert model.config._attn_implementation == "longalign_varlen" and not model.config.use_cache
@@ -165,18 +137,18 @@ def test_apply_selects_varlen_attention_and_disables_the_cache():
 
 
 def test_named_backend_that_cannot_run_fails_at_first_forward():
-    model = apply(tiny_model("llama"), backend="torch_varlen")
+    model = apply(model_of("llama"), backend="torch_varlen")
     with pytest.raises(ValueError, match="'torch_varlen' cannot run here: needs a CUDA device"):
         model(**packed_batch(LENGTHS))
 
 
 @pytest.mark.parametrize("kind", ["llama", "glm", "glm4"])
 def test_families_are_named(kind):
-    assert check_model(tiny_model(kind)) == {"llama": "Llama 3", "glm": "GLM", "glm4": "GLM-4"}[kind]
+    assert check_model(model_of(kind)) == {"llama": "Llama 3", "glm": "GLM", "glm4": "GLM-4"}[kind]
 
 
 def test_other_rotary_decoders_take_the_generic_path():
-    assert check_model(tiny_model("mistral")) == "generic"
+    assert check_model(model_of("mistral")) == "generic"
 
 
 def test_learned_positions_are_refused_with_the_supported_list():
@@ -211,7 +183,7 @@ def test_remote_code_glm_points_to_the_native_checkpoint():
 
 def test_wrapped_models_are_refused_with_a_hint():
     wrapper = torch.nn.Module()
-    wrapper.model = tiny_model("llama")
+    wrapper.model = model_of("llama")
     with pytest.raises(
         UnsupportedModelError, match="call longalign.patch.apply on the model before wrapping"
     ):
@@ -219,7 +191,7 @@ def test_wrapped_models_are_refused_with_a_hint():
 
 
 def test_padding_is_an_error_and_an_all_ones_mask_is_not():
-    model = apply(tiny_model("llama"))
+    model = apply(model_of("llama"))
     batch = packed_batch(LENGTHS)
     torch.testing.assert_close(
         model(**batch, attention_mask=torch.ones_like(batch["input_ids"])).logits, model(**batch).logits
@@ -231,7 +203,7 @@ def test_padding_is_an_error_and_an_all_ones_mask_is_not():
 
 
 def test_unpacked_rows_need_no_boundaries_and_multi_row_packs_are_refused():
-    model = apply(tiny_model("llama"))
+    model = apply(model_of("llama"))
     input_ids = torch.randint(3, VOCAB, (2, 6))
     with torch.no_grad():
         rows = model(input_ids=input_ids).logits
@@ -243,7 +215,7 @@ def test_unpacked_rows_need_no_boundaries_and_multi_row_packs_are_refused():
 
 
 def test_autocast_mixed_precision_runs_through_the_patch():
-    model = apply(tiny_model("glm"))
+    model = apply(model_of("glm"))
     batch = packed_batch(LENGTHS)
     with torch.no_grad():
         full = model(**batch).logits

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import datasets
 import pytest
+from conftest import DEMO, ROOT, count_packs, demo_overrides, launch, needs_launcher, save_packs
 
 from longalign.config import load_config
 from longalign.preflight import (
@@ -21,8 +22,6 @@ from longalign.preflight import (
     preflight_enabled,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
-LAUNCHER = Path(sys.executable).parent / "accelerate"
 # Runs a script as one rank of a launch with that rank's own working directory and environment variables,
 # as on a node of its own: {"1": {"cwd": "...", "env": {"NAME": "value"}}} (RANK comes from the launcher).
 PER_RANK = """
@@ -35,24 +34,8 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def rows(lengths: list[list[int]]) -> list[dict]:
-    out = []
-    for seq_lens in lengths:
-        ids = list(range(1, sum(seq_lens) + 1))
-        out.append(
-            {
-                "input_ids": ids,
-                "labels": ids,
-                "cu_seqlens": [sum(seq_lens[:i]) for i in range(len(seq_lens) + 1)],
-                "seq_lens": seq_lens,
-            }
-        )
-    return out
-
-
-def write_packs(path: Path, lengths: list[list[int]]) -> Path:
-    datasets.Dataset.from_list(rows(lengths)).save_to_disk(str(path))
-    return path
+def write_packs(path: Path, per_pack: list[list[int]]) -> Path:
+    return save_packs(path, count_packs(per_pack))
 
 
 PACKS = [[5, 7], [12], [3, 4, 5]]
@@ -102,8 +85,8 @@ def test_the_odd_rank_is_named_against_the_majority():
 
 
 def test_config_difference_names_the_keys():
-    base = load_config(ROOT / "configs" / "demo.toml")
-    other = load_config(ROOT / "configs" / "demo.toml", ["loss.chunk_size=512"])
+    base = load_config(DEMO)
+    other = load_config(DEMO, ["loss.chunk_size=512"])
     report = compare([[config_check(base)], [config_check(other)]])
     assert "loss.chunk_size 512 vs 2048" in report.problems[0]
     assert "same config file" in report.problems[0]
@@ -135,10 +118,10 @@ def test_env_secrets_never_in_clear():
 
 def test_dataset_fingerprint_follows_cu_seqlens_not_storage(tmp_path):
     a = datasets.load_from_disk(str(write_packs(tmp_path / "a", PACKS)))
-    b = datasets.Dataset.from_list(rows(PACKS)).cast_column(
+    b = datasets.Dataset.from_list(count_packs(PACKS)).cast_column(
         "cu_seqlens", datasets.Sequence(datasets.Value("int64"))
     )
-    c = datasets.Dataset.from_list(rows([[5, 7], [12], [3, 9, 1]]))
+    c = datasets.Dataset.from_list(count_packs([[5, 7], [12], [3, 9, 1]]))
     assert packs_check("dataset", a, "train_file").value == packs_check("dataset", b, "train_file").value
     assert packs_check("dataset", a, "train_file").value != packs_check("dataset", c, "train_file").value
     assert packs_check("dataset", a, "train_file").value.startswith("3 packs, cu_seqlens ")
@@ -152,22 +135,14 @@ def test_preflight_setting():
 # --- real launches ---------------------------------------------------------------------------------------
 
 
-def launch(tmp_path: Path, per_rank: dict, script: Path, *args: str) -> subprocess.CompletedProcess:
+def launch_per_rank(tmp_path: Path, per_rank: dict, script: Path, *args: str) -> subprocess.CompletedProcess:
     wrapper = tmp_path / "per_rank.py"
     wrapper.write_text(PER_RANK)
-    env = {
-        **os.environ,
-        "ACCELERATE_USE_CPU": "1",
-        "OMP_NUM_THREADS": "1",
-        "WANDB_PROJECT": "longalign",
-        "HF_TOKEN": "hf_very_secret",
-    }
-    cmd = [str(LAUNCHER), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
-           str(wrapper), json.dumps(per_rank), str(script), "--config", str(ROOT / "configs" / "demo.toml"),
-           "model.tokenizer=" + json.dumps(str(ROOT / "data" / "tokenizer")), f"training.output_dir={json.dumps(str(tmp_path / 'run'))}",
-           "data.train_file='packs'", *args]  # fmt: skip
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    return launch(
+        wrapper, json.dumps(per_rank), str(script), "--config", str(DEMO),
+        *demo_overrides(tmp_path / "run", "packs"), *args,
+        env={"WANDB_PROJECT": "longalign", "HF_TOKEN": "hf_very_secret"}, cwd=tmp_path,
+    )  # fmt: skip
 
 
 @pytest.fixture
@@ -178,12 +153,10 @@ def nodes(tmp_path) -> dict:
     return {str(rank): {"cwd": str(tmp_path / f"node{rank}")} for rank in (0, 1)}
 
 
-needs_launcher = pytest.mark.skipif(not LAUNCHER.exists(), reason="accelerate launcher not installed")
-
-
+@pytest.mark.integration
 @needs_launcher
 def test_two_ranks_that_agree_pass(tmp_path, nodes):
-    result = launch(tmp_path, nodes, ROOT / "scripts" / "preflight.py", "--env", "WANDB_PROJECT")
+    result = launch_per_rank(tmp_path, nodes, ROOT / "scripts" / "preflight.py", "--env", "WANDB_PROJECT")
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     out = result.stdout
     assert out.startswith("preflight: 2 ranks") and out.rstrip().endswith("preflight: ok")
@@ -202,13 +175,14 @@ def test_two_ranks_that_agree_pass(tmp_path, nodes):
     assert "hf_very_secret" not in out + result.stderr
 
 
+@pytest.mark.integration
 @needs_launcher
 def test_rank_with_another_dataset_and_env_value_fails_by_name(tmp_path, nodes):
     write_packs(tmp_path / "node1" / "stale", PACKS[:2])  # node 1's copy is an older one
     (tmp_path / "node1" / "packs").rename(tmp_path / "node1" / "fresh")
     (tmp_path / "node1" / "stale").rename(tmp_path / "node1" / "packs")
     nodes["1"]["env"] = {"WANDB_PROJECT": "elsewhere", "HF_TOKEN": "hf_other_secret"}
-    result = launch(tmp_path, nodes, ROOT / "scripts" / "preflight.py", "--env", "WANDB_PROJECT")
+    result = launch_per_rank(tmp_path, nodes, ROOT / "scripts" / "preflight.py", "--env", "WANDB_PROJECT")
     assert result.returncode != 0
     out = result.stdout
     assert "dataset: rank 1 differs from rank 0 (2 packs, cu_seqlens" in out
@@ -221,20 +195,21 @@ def test_rank_with_another_dataset_and_env_value_fails_by_name(tmp_path, nodes):
     assert out.rstrip().endswith("preflight: FAILED")
 
 
+@pytest.mark.integration
 @needs_launcher
 def test_train_stops_before_the_first_step_when_ranks_disagree(tmp_path, nodes):
     write_packs(tmp_path / "node1" / "packs", [[12], [5, 7], [3, 4, 5]])  # same packs, another order
-    result = launch(tmp_path, nodes, ROOT / "train.py", "training.max_steps=1")
+    result = launch_per_rank(tmp_path, nodes, ROOT / "train.py", "training.max_steps=1")
     assert result.returncode != 0
     assert "dataset: rank 1 differs from rank 0" in result.stdout  # on by default with two ranks
     assert "train_runtime" not in result.stdout + result.stderr
     assert not (tmp_path / "run" / "checkpoint-1").exists()
 
 
+@pytest.mark.integration
 def test_train_runs_the_preflight_when_asked_on_one_rank(tmp_path):
     packs = write_packs(tmp_path / "packs", PACKS)
-    cmd = [sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs" / "demo.toml"),
-           f"data.train_file={json.dumps(str(packs))}", f"training.output_dir={json.dumps(str(tmp_path / 'run'))}",
+    cmd = [sys.executable, str(ROOT / "train.py"), "--config", str(DEMO), *demo_overrides(tmp_path / "run", packs),
            "training.max_steps=1", "training.save_strategy='no'", "training.preflight=true"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)

@@ -9,11 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import DEMO, ROOT
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from longalign.batching import PackCollator
 from longalign.config import load_config
-from longalign.data import PackCollator
 from longalign.probe import (
     ERROR,
     FITS,
@@ -28,9 +29,6 @@ from longalign.probe import (
     synthetic_pack,
     synthetic_seq_lens,
 )
-
-ROOT = Path(__file__).resolve().parents[1]
-DEMO = ROOT / "configs" / "demo.toml"
 
 
 def test_lengths_and_sizes():
@@ -163,6 +161,7 @@ def probe(tmp_path: Path, name: str, *args: str) -> tuple[subprocess.CompletedPr
     return result, json.loads(output.read_text())
 
 
+@pytest.mark.integration
 def test_ladder_finds_a_fitting_length_and_stops_at_a_memory_cap(tmp_path):
     result, report = probe(tmp_path, "free", "--lengths", "512,8k")
     assert result.returncode == 0, result.stdout + result.stderr
@@ -184,6 +183,7 @@ def test_ladder_finds_a_fitting_length_and_stops_at_a_memory_cap(tmp_path):
     assert [e["status"] for e in report["results"]] == [FITS, OUT_OF_MEMORY]
 
 
+@pytest.mark.integration
 def test_an_error_stops_the_ladder_in_one_line_with_the_trace_kept(tmp_path):
     # torch's varlen kernel needs CUDA: on CPU the first step fails with the backend's own message.
     result, report = probe(
@@ -192,7 +192,6 @@ def test_an_error_stops_the_ladder_in_one_line_with_the_trace_kept(tmp_path):
         "--lengths",
         "512,1k",
         "model.attn_backend='torch_varlen'",
-        "model.use_flash_attention=true",
     )
     assert result.returncode == 1  # no length fits
     assert "512 failed: error: ValueError: attention backend 'torch_varlen' cannot run here" in result.stdout

@@ -104,6 +104,7 @@ def test_meta_describes_the_shipped_file():
     assert meta["conversations"] == len(SAMPLE.read_text(encoding="utf-8").splitlines())
 
 
+@pytest.mark.integration
 def test_generator_reproduces_the_shipped_file(tmp_path):
     out = tmp_path / "sample.jsonl"
     # A different hash seed in the child shows that nothing depends on set or dict-of-str ordering.

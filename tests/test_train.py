@@ -9,20 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import DEMO, ROOT, demo_overrides
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from longalign.tokenize import pre_tokenize
-
-ROOT = Path(__file__).resolve().parents[1]
 MAX_LEN = 1024
-
-
-@pytest.fixture(scope="module")
-def tokenized(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("data") / "tokenized"
-    tokenizer = AutoTokenizer.from_pretrained(ROOT / "data" / "tokenizer")
-    pre_tokenize(ROOT / "data" / "sample.jsonl", tokenizer, out, max_seq_len=MAX_LEN)
-    return out
+pytestmark = pytest.mark.integration
 
 
 def train(tokenized: Path, output_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
@@ -30,14 +21,12 @@ def train(tokenized: Path, output_dir: Path, *overrides: str) -> subprocess.Comp
         sys.executable,
         str(ROOT / "train.py"),
         "--config",
-        str(ROOT / "configs" / "demo.toml"),
-        f"data.train_file={tokenized}",
+        str(DEMO),
+        *demo_overrides(output_dir, tokenized),
         f"data.max_seq_len={MAX_LEN}",
-        f"training.output_dir={output_dir}",
         "training.logging_steps=1",
         "training.save_steps=2",
         "training.eval_strategy='no'",
-        "model.tokenizer=" + str(ROOT / "data" / "tokenizer"),
         *overrides,
     ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
@@ -50,7 +39,8 @@ def step_losses(output_dir: Path) -> dict[int, float]:
     return {entry["step"]: entry["loss"] for entry in state["log_history"] if "loss" in entry}
 
 
-def test_train_save_resume_reload(tokenized, tmp_path):
+def test_train_save_resume_reload(tokenized_sample, tmp_path):
+    tokenized = tokenized_sample
     constant = "training.lr_scheduler_type='constant'"  # the same schedule whether a run stops at 4 or 6
     straight = tmp_path / "straight"
     train(tokenized, straight, "training.max_steps=6", constant, f"data.eval_file={tokenized}")

@@ -1,9 +1,21 @@
+"""Batching: the collators (positions, boundary masking, loss weights), the pack sampler and the loader."""
+
+import datasets
+import numpy as np
 import pytest
 import torch
+from conftest import count_packs, pack_row
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from longalign.data import PackCollator, PaddedCollator, mask_and_weigh
+from longalign.batching import (
+    PackBatchSampler,
+    PackCollator,
+    PaddedCollator,
+    mask_and_weigh,
+    pack_costs,
+    pack_loader,
+)
 
 X = -100
 
@@ -44,6 +56,15 @@ def test_samples_without_targets_weigh_nothing():
     assert batch["labels"].tolist() == [[X, 2, 3, X, X, 6]]
     assert batch["loss_weights"].tolist() == [[0, 0.5, 0.5, 0, 0, 1]]
     assert batch["loss_weights"].sum() == 2
+
+
+def test_filler_rows_run_but_weigh_nothing_and_are_not_counted():
+    batch = PackCollator(weighting="token_level")([PACKS[0], {**PACKS[1], "active": False}])
+    assert batch["input_ids"].shape == (1, 8)  # the filler's tokens still run through the model
+    assert batch["labels"][0, 5:].tolist() == [X, X, X]
+    assert batch["loss_weights"][0, 5:].tolist() == [0, 0, 0]
+    assert (batch["num_packs"], batch["num_samples"]) == (1, 2)
+    assert (PackCollator()(PACKS)["num_packs"], PackCollator()(PACKS)["num_samples"]) == (2, 3)
 
 
 def test_pack_collator_accepts_tensors():
@@ -102,7 +123,7 @@ def test_weights_sum_to_the_denominator_whatever_the_split(sample_list, weightin
     denominator = sum(num_targets) if weighting == "token_level" else sum(n > 0 for n in num_targets)
 
     cuts = sorted(data.draw(st.sets(st.integers(1, len(rows) - 1))) if len(rows) > 1 else [])
-    packs = [_pack(rows[a:b]) for a, b in zip([0, *cuts], [*cuts, len(rows)], strict=True)]
+    packs = [pack_row(rows[a:b]) for a, b in zip([0, *cuts], [*cuts, len(rows)], strict=True)]
     batch_cuts = sorted(data.draw(st.sets(st.integers(1, len(packs) - 1))) if len(packs) > 1 else [])
     collate = PackCollator(weighting=weighting)
     batches = [collate(packs[a:b]) for a, b in zip([0, *batch_cuts], [*batch_cuts, len(packs)], strict=True)]
@@ -115,12 +136,82 @@ def test_weights_sum_to_the_denominator_whatever_the_split(sample_list, weightin
     assert torch.equal(weights.float(), mask_and_weigh(labels, seq_lens, weighting)[1])
 
 
-def _pack(rows: list[tuple[list[int], list[int]]]) -> dict[str, list[int]]:
-    cu_seqlens = [0]
-    for ids, _ in rows:
-        cu_seqlens.append(cu_seqlens[-1] + len(ids))
-    return {
-        "input_ids": [i for ids, _ in rows for i in ids],
-        "labels": [label for _, labels in rows for label in labels],
-        "cu_seqlens": cu_seqlens,
-    }
+# --- the pack sampler and the loader ---------------------------------------------------------------------
+
+
+def epoch(costs, ranks: int, per_batch: int, seed: int = 0, epoch_index: int = 0) -> list[list]:
+    out = []
+    for rank in range(ranks):
+        sampler = PackBatchSampler(costs, packs_per_batch=per_batch, num_replicas=ranks, rank=rank, seed=seed)
+        sampler.set_epoch(epoch_index)
+        out.append(list(sampler))
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    costs=st.lists(st.integers(1, 10_000), min_size=1, max_size=60),
+    ranks=st.integers(1, 4),
+    per_batch=st.integers(1, 3),
+)
+def test_every_pack_once_and_ranks_in_step(costs, ranks, per_batch):
+    batches = epoch(costs, ranks, per_batch)
+    assert len({len(b) for b in batches}) == 1  # same number of micro-batches on every rank
+    assert len(batches[0]) == len(PackBatchSampler(costs, packs_per_batch=per_batch, num_replicas=ranks))
+    active = sorted(i for rank in batches for batch in rank for i, on in batch if on)
+    assert active == list(range(len(costs)))
+    for rank in batches:
+        for batch in rank:
+            assert 1 <= len(batch) <= per_batch
+            assert all(on for _, on in batch) or len(batch) == 1  # a filler is alone in its micro-batch
+
+
+def test_ranks_get_similar_attention_cost():
+    rng = np.random.default_rng(0)
+    costs = rng.pareto(1.2, size=400) * 1e6  # long tail: a few packs cost far more than the rest
+    batches = epoch(costs, ranks=4, per_batch=2)
+    spread = []
+    for step in zip(*batches, strict=True):
+        loads = [sum(costs[i] for i, _ in batch) for batch in step]
+        spread.append(max(loads) / (sum(loads) / len(loads)))
+    # Dealing largest first keeps the slowest rank close to the mean; dealing in order would not.
+    naive = []
+    for start in range(0, 400, 8):
+        chunk = costs[start : start + 8]
+        loads = [chunk[r * 2 : r * 2 + 2].sum() for r in range(4)]
+        naive.append(max(loads) / np.mean(loads))
+    assert np.mean(spread) < np.mean(naive)
+
+
+def test_order_is_seeded_and_changes_per_epoch():
+    costs = list(range(1, 41))
+    assert epoch(costs, 2, 1, seed=3) == epoch(costs, 2, 1, seed=3)
+    assert epoch(costs, 2, 1, seed=3, epoch_index=0) != epoch(costs, 2, 1, seed=3, epoch_index=1)
+    unshuffled = PackBatchSampler(costs, shuffle=False)
+    assert [b[0][0] for b in unshuffled] == list(range(40))
+
+
+def test_bad_sampler_arguments():
+    with pytest.raises(ValueError, match="no packs"):
+        PackBatchSampler([])
+    with pytest.raises(ValueError, match="rank 2"):
+        PackBatchSampler([1], num_replicas=2, rank=2)
+
+
+def test_pack_costs_are_sums_of_squares():
+    packs = datasets.Dataset.from_list(count_packs([[9, 4, 17], [6, 12, 3], [14, 5]]))
+    assert pack_costs(packs).tolist() == [9**2 + 4**2 + 17**2, 6**2 + 12**2 + 3**2, 14**2 + 5**2]
+
+
+def test_loader_gives_each_rank_its_packs_and_a_filler_where_short():
+    packs = datasets.Dataset.from_list(count_packs([[3], [2, 2], [5]]))
+    collate = PackCollator(weighting="token_level")
+    per_rank = [
+        list(pack_loader(packs, collate, batch_size=1, num_replicas=2, rank=rank, shuffle=False))
+        for rank in (0, 1)
+    ]
+    assert [len(batches) for batches in per_rank] == [2, 2]
+    counted = [(b["num_packs"], b["num_samples"]) for batches in per_rank for b in batches]
+    assert sorted(counted) == [(0, 0), (1, 1), (1, 1), (1, 2)]  # 3 packs, 4 samples, one filler
+    filler = next(b for batches in per_rank for b in batches if b["num_packs"] == 0)
+    assert filler["loss_weights"].sum() == 0

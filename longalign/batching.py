@@ -1,0 +1,300 @@
+"""Batching: pack rows in, model batches out (the pack sampler, the pack-row dataset and the collators).
+
+A pack row (``scripts/sort_and_group.py``) holds samples back to back with their ``cu_seqlens``. Each
+micro-batch concatenates ``per_device_batch_size`` pack rows into one varlen row with per-sample
+positions and the loss weights. The collator is where the loss weighting is decided: every target token
+gets a weight, and the weights of one optimizer step sum to the step's loss denominator D (sum_i N_i
+target tokens for ``token_level``, the number M of samples with targets for ``sequence_level``), so the
+trainer can normalise exactly::
+
+    pack row 0 = samples A (3 tokens), B (2 tokens); pack row 1 = sample C (3 tokens)
+
+    input_ids       a0  a1  a2 | b0  b1 | c0  c1  c2
+    labels in       -   a1  a2 | b0  b1 | -   c1  c2        (- = ignore_index)
+    labels out      -   a1  a2 | -   b1 | -   c1  c2        first label of every sample masked
+    position_ids    0   1   2  | 0   1  | 0   1   2
+    cu_seq_lens     [0, 3, 5, 8]                            max_length 3
+    loss_weights    token_level:     0  1  1 | 0  1 | 0  1  1      sum 5 = sum_i N_i
+                    sequence_level:  0 .5 .5 | 0  1 | 0 .5 .5      sum 3 = M (samples with N_i > 0)
+
+Labels are not shifted: ``labels[t]`` is predicted from position ``t - 1``. Masking the first label of each
+sample means the last token of B never learns to predict c0, whatever the loss does with the shift.
+
+Which packs a rank gets is decided by :class:`PackBatchSampler` (seeded, balanced by attention cost);
+:func:`pack_loader` puts sampler, :class:`PackRows` and :class:`PackCollator` together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow.compute as pc
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+# How the loss counts samples: every sample equally (LongAlign), or every target token equally.
+WEIGHTINGS = ("sequence_level", "token_level")
+
+
+def _check_weighting(weighting: str) -> None:
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"weighting: {weighting!r} is not one of {', '.join(WEIGHTINGS)}")
+
+
+def mask_and_weigh(
+    labels: torch.Tensor, seq_lens: torch.Tensor, weighting: str, ignore_index: int = -100
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask the first label of every sample and return ``(labels, loss_weights)`` for a flat row.
+
+    ``labels`` is 1D and covers the samples of ``seq_lens`` back to back. N_i counts the targets of
+    sample i after the masking; ``token_level`` gives each target weight 1, ``sequence_level`` gives it
+    1 / N_i. Non-targets weigh 0, so a sample with no targets adds nothing::
+
+        seq_lens [3, 2, 1], labels [-, 7, 8, 5, 6, 9]
+        -> labels [-, 7, 8, -, 6, -], sequence_level weights [0, .5, .5, 0, 1, 0]  (sum 2 = M)
+    """
+    _check_weighting(weighting)
+    labels = labels.clone()
+    starts = torch.cumsum(seq_lens, 0) - seq_lens
+    labels[starts[seq_lens > 0]] = ignore_index
+    is_target = labels != ignore_index
+    weights = is_target.float()
+    if weighting == "sequence_level":
+        sample_of_token = torch.repeat_interleave(torch.arange(len(seq_lens)), seq_lens)
+        num_targets = torch.bincount(sample_of_token[is_target], minlength=len(seq_lens))
+        weights /= num_targets.clamp(min=1)[sample_of_token]
+    return labels, weights
+
+
+@dataclass(frozen=True)
+class PackCollator:
+    """Concatenate pack rows (``per_device_batch_size`` of them) into one varlen batch row.
+
+    Pack rows hold ``input_ids``, ``labels`` and ``cu_seqlens`` (other columns are ignored), and may say
+    ``active: False``: a filler row (see :class:`PackBatchSampler`) whose tokens run but whose labels are
+    all masked, so it weighs nothing. Returns ``input_ids``, ``labels``, ``position_ids`` and
+    ``loss_weights`` of shape ``[1, T]``, ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (int32, equal),
+    ``max_length_q`` / ``max_length_k`` (int), and the counts ``num_packs`` / ``num_samples`` of the
+    active rows; see the module docstring for a worked example. ``loss_weights.sum()`` over all
+    micro-batches and ranks of a step is the step's denominator D: sum_i N_i (``token_level``, exact) or M
+    (``sequence_level``, up to float32 rounding of the 1 / N_i, about 1e-7 relative).
+    """
+
+    weighting: str = "sequence_level"
+    ignore_index: int = -100
+
+    def __post_init__(self) -> None:
+        _check_weighting(self.weighting)
+
+    def __call__(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        if not rows:
+            raise ValueError("PackCollator: got an empty list of pack rows")
+        per_row = [_seq_lens_of_pack(i, row) for i, row in enumerate(rows)]
+        active = [bool(row.get("active", True)) for row in rows]
+        seq_lens = torch.cat(per_row)
+        input_ids = torch.cat([torch.as_tensor(row["input_ids"], dtype=torch.long) for row in rows])
+        labels = torch.cat(
+            [
+                torch.as_tensor(row["labels"], dtype=torch.long)
+                if on
+                else torch.full((len(row["labels"]),), self.ignore_index)
+                for row, on in zip(rows, active, strict=True)
+            ]
+        )
+        labels, weights = mask_and_weigh(labels, seq_lens, self.weighting, self.ignore_index)
+        cu_seq_lens = torch.nn.functional.pad(torch.cumsum(seq_lens, 0), (1, 0)).to(torch.int32)
+        starts = torch.repeat_interleave(cu_seq_lens[:-1].long(), seq_lens)
+        position_ids = torch.arange(len(input_ids)) - starts
+        max_length = int(seq_lens.max())
+        return {
+            "input_ids": input_ids[None],
+            "labels": labels[None],
+            "position_ids": position_ids[None],
+            "cu_seq_lens_q": cu_seq_lens,
+            "cu_seq_lens_k": cu_seq_lens,
+            "max_length_q": max_length,
+            "max_length_k": max_length,
+            "loss_weights": weights[None],
+            "num_packs": sum(active),
+            "num_samples": sum(len(lens) for lens, on in zip(per_row, active, strict=True) if on),
+        }
+
+
+def _seq_lens_of_pack(index: int, row: Mapping[str, Any]) -> torch.Tensor:
+    """Sample lengths from a pack row's ``cu_seqlens``, checked against its token count."""
+    cu_seqlens = torch.as_tensor(row["cu_seqlens"], dtype=torch.long)
+    num_tokens, num_labels = len(row["input_ids"]), len(row["labels"])
+    if len(cu_seqlens) < 2 or cu_seqlens[0] != 0 or cu_seqlens[-1] != num_tokens or num_labels != num_tokens:
+        raise ValueError(
+            f"pack row {index}: cu_seqlens {cu_seqlens.tolist()} must run from 0 to the {num_tokens} "
+            f"input_ids, and labels ({num_labels}) must match them"
+        )
+    seq_lens = torch.diff(cu_seqlens)
+    if (seq_lens < 0).any():
+        raise ValueError(f"pack row {index}: cu_seqlens {cu_seqlens.tolist()} is not non-decreasing")
+    return seq_lens
+
+
+@dataclass(frozen=True)
+class PaddedCollator:
+    """One sample per row, right-padded to the longest: the unpacked baseline, same labels and weights.
+
+    Rows hold ``input_ids`` and ``labels`` of one sample (tokenized sample rows). Returns ``input_ids``,
+    ``attention_mask``, ``labels`` and ``loss_weights`` of shape ``[B, Lmax]``; padding has label
+    ``ignore_index`` and weight 0::
+
+        samples [a0 a1 a2], [b0 b1]  ->  input_ids [[a0 a1 a2], [b0 b1 pad]]
+                                         attention_mask [[1 1 1], [1 1 0]]
+    """
+
+    weighting: str = "sequence_level"
+    ignore_index: int = -100
+    pad_token_id: int = 0  # any id works: padded positions are masked out of attention and loss
+
+    def __post_init__(self) -> None:
+        _check_weighting(self.weighting)
+
+    def __call__(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        if not rows:
+            raise ValueError("PaddedCollator: got an empty list of sample rows")
+        seq_lens = torch.tensor([len(row["input_ids"]) for row in rows])
+        labels = torch.cat([torch.as_tensor(row["labels"], dtype=torch.long) for row in rows])
+        if len(labels) != int(seq_lens.sum()):
+            raise ValueError("PaddedCollator: every row needs as many labels as input_ids")
+        labels, weights = mask_and_weigh(labels, seq_lens, self.weighting, self.ignore_index)
+        lengths = seq_lens.tolist()
+        pad = torch.nn.utils.rnn.pad_sequence
+        input_ids = [torch.as_tensor(row["input_ids"], dtype=torch.long) for row in rows]
+        return {
+            "input_ids": pad(input_ids, batch_first=True, padding_value=self.pad_token_id),
+            "attention_mask": pad([torch.ones(n, dtype=torch.long) for n in lengths], batch_first=True),
+            "labels": pad(labels.split(lengths), batch_first=True, padding_value=self.ignore_index),
+            "loss_weights": pad(weights.split(lengths), batch_first=True),
+        }
+
+
+def pack_costs(packs) -> np.ndarray:
+    """Attention cost of every pack row, ``sum(l_i ** 2)`` over its samples (what varlen attention pays)."""
+    seq_lens = packs.data.column("seq_lens").combine_chunks()
+    lengths = pc.list_flatten(seq_lens).to_numpy().astype(np.float64)
+    parents = pc.list_parent_indices(seq_lens).to_numpy()
+    return np.bincount(parents, weights=lengths**2, minlength=len(packs))
+
+
+class PackBatchSampler:
+    """Micro-batches of pack indices for one rank: seeded reshuffle per epoch, ranks balanced by cost.
+
+    Each global micro-step takes the next ``packs_per_batch * num_replicas`` packs of the epoch's order
+    and deals them to ranks largest-cost first, each to the least-loaded rank with room, so ranks wait
+    less for the slowest. Every rank gets the same number of micro-batches: where the last step has too
+    few packs, a rank gets a copy of a pack with ``active=False``, which the collator weighs 0 (it keeps
+    the collectives in step and adds nothing to the loss)::
+
+        costs [9, 1, 4, 4], 2 ranks x 1 pack:  step 1 -> rank 0 gets 9, rank 1 gets 4 ...
+        yields [(pack_index, active), ...] per micro-batch
+    """
+
+    def __init__(
+        self,
+        costs: Sequence[float] | np.ndarray,
+        *,
+        packs_per_batch: int = 1,
+        num_replicas: int = 1,
+        rank: int = 0,
+        seed: int = 0,
+        shuffle: bool = True,
+    ) -> None:
+        if len(costs) == 0:
+            raise ValueError("PackBatchSampler: no packs")
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"PackBatchSampler: rank {rank} outside 0..{num_replicas - 1}")
+        self.costs = np.asarray(costs, dtype=np.float64)
+        self.packs_per_batch = packs_per_batch
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return -(-len(self.costs) // (self.packs_per_batch * self.num_replicas))
+
+    def __iter__(self) -> Iterator[list[tuple[int, bool]]]:
+        n = len(self.costs)
+        order = (
+            np.random.default_rng([self.seed, self.epoch]).permutation(n) if self.shuffle else np.arange(n)
+        )
+        group = self.packs_per_batch * self.num_replicas
+        for start in range(0, n, group):
+            yield self._deal(order[start : start + group])[self.rank]
+
+    def _deal(self, packs: np.ndarray) -> list[list[tuple[int, bool]]]:
+        by_cost = sorted(packs.tolist(), key=lambda i: (-self.costs[i], i))
+        ranks: list[list[tuple[int, bool]]] = [[] for _ in range(self.num_replicas)]
+        load = [0.0] * self.num_replicas
+        for index in by_cost:
+            open_ranks = [r for r in range(self.num_replicas) if len(ranks[r]) < self.packs_per_batch]
+            target = min(open_ranks, key=lambda r: (load[r], r))
+            ranks[target].append((index, True))
+            load[target] += self.costs[index]
+        for assigned in ranks:
+            if not assigned:
+                assigned.append((by_cost[-1], False))
+        return ranks
+
+
+class PackRows(Dataset):
+    """Pack rows by ``(index, active)``, as :class:`PackBatchSampler` yields them; ``active`` rides along."""
+
+    def __init__(self, packs) -> None:
+        self.packs = packs.select_columns(["input_ids", "labels", "cu_seqlens"])
+
+    def __len__(self) -> int:
+        return len(self.packs)
+
+    def __getitem__(self, key: tuple[int, bool]) -> dict[str, Any]:
+        index, active = key
+        return {**self.packs[int(index)], "active": active}
+
+
+class PackDataLoader(DataLoader):
+    """A DataLoader whose ``set_epoch`` reaches the pack sampler (Trainer calls it every epoch)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        self.batch_sampler.set_epoch(epoch)
+
+
+def pack_loader(
+    packs,
+    collator: PackCollator,
+    *,
+    batch_size: int,
+    num_replicas: int = 1,
+    rank: int = 0,
+    seed: int = 0,
+    shuffle: bool = True,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+) -> PackDataLoader:
+    """This rank's micro-batches over a pack dataset: ``batch_size`` packs each, balanced across ranks."""
+    sampler = PackBatchSampler(
+        pack_costs(packs),
+        packs_per_batch=batch_size,
+        num_replicas=num_replicas,
+        rank=rank,
+        seed=seed,
+        shuffle=shuffle,
+    )
+    return PackDataLoader(
+        PackRows(packs),
+        batch_sampler=sampler,
+        collate_fn=collator,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+    )

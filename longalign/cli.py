@@ -1,0 +1,369 @@
+"""The ``longalign`` command: one subcommand per stage of the pipeline, each with ``--help``.
+
+    longalign pre-tokenize --input chats.jsonl --tokenizer MODEL --output out/tok --max-seq-len 65536
+    longalign pack --input out/tok --output out/packed --max-seq-len 65536
+    accelerate launch -m longalign train --config run.toml [section.key=value ...]
+    longalign probe --config run.toml --lengths 16k,32k,64k
+    accelerate launch -m longalign preflight --config run.toml
+
+``scripts/pre_tokenize.py``, ``scripts/sort_and_group.py``, ``scripts/probe_memory.py``,
+``scripts/preflight.py`` and ``train.py`` run the same subcommands. Every command reports a bad argument,
+config, input file or model in one line (``longalign train: error: ...``) and exits with status 2; the
+rest of what each prints is its result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+# One-line errors: what users get wrong (config, paths, data, models). Anything else keeps its traceback.
+USER_ERRORS = (ValueError, OSError)
+PLOT_NAME = "packing.png"
+
+
+@dataclass(frozen=True)
+class Command:
+    summary: str  # one line for `longalign --help`
+    description: str  # the subcommand's --help text
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``longalign SUBCOMMAND ...``: the console entry point."""
+    parser = argparse.ArgumentParser(
+        prog="longalign", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND")
+    for name, command in COMMANDS.items():
+        sub = commands.add_parser(
+            name,
+            help=command.summary,
+            description=command.description,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        command.add_arguments(sub)
+    args = parser.parse_args(argv)
+    return _run(f"longalign {args.command}", COMMANDS[args.command], args)
+
+
+def script(name: str) -> int:
+    """Run subcommand ``name`` as the script it also is (``python scripts/pre_tokenize.py ...``)."""
+    command = COMMANDS[name]
+    prog = Path(sys.argv[0]).name
+    parser = argparse.ArgumentParser(
+        prog=prog, description=command.description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    command.add_arguments(parser)
+    return _run(prog, command, parser.parse_args(sys.argv[1:]))
+
+
+def _run(prog: str, command: Command, args: argparse.Namespace) -> int:
+    try:
+        return command.run(args)
+    except USER_ERRORS as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _config_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, required=True, help="the run's TOML file")
+    parser.add_argument("overrides", nargs="*", help="section.key=value settings that win over the file")
+
+
+# --- pre-tokenize ----------------------------------------------------------------------------------------
+
+
+def _pre_tokenize_arguments(parser: argparse.ArgumentParser) -> None:
+    from longalign.tokenize import TRUNCATIONS
+
+    parser.add_argument("--input", required=True, help="JSONL file, one chat record per line")
+    parser.add_argument("--tokenizer", required=True, help="tokenizer directory or hub name")
+    parser.add_argument("--output", required=True, help="output dataset directory (replaced atomically)")
+    parser.add_argument("--max-seq-len", type=int, required=True, help="longest sample kept, in tokens")
+    parser.add_argument(
+        "--truncation", choices=TRUNCATIONS, default="right", help="what to do with longer samples"
+    )
+    parser.add_argument("--num-proc", type=int, default=1, help="tokenizer processes")
+    parser.add_argument(
+        "--strict", action="store_true", help="stop at the first bad line instead of skipping it"
+    )
+    parser.add_argument(
+        "--chat-template", type=Path, help="Jinja file that replaces the tokenizer's chat template"
+    )
+    parser.add_argument("--trust-remote-code", action="store_true")
+
+
+def _pre_tokenize(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from longalign.tokenize import pre_tokenize
+
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, trust_remote_code=args.trust_remote_code)
+    if not tokenizer.is_fast:
+        raise ValueError(
+            f"{args.tokenizer}: a fast tokenizer is needed (token offsets locate the assistant turns)"
+        )
+    if args.chat_template is not None:
+        tokenizer.chat_template = args.chat_template.read_text(encoding="utf-8")
+    report = pre_tokenize(
+        args.input,
+        tokenizer,
+        args.output,
+        max_seq_len=args.max_seq_len,
+        truncation=args.truncation,
+        num_proc=args.num_proc,
+        strict=args.strict,
+    )
+    print(_pre_tokenize_summary(report, args.output))
+    return 0
+
+
+def _pre_tokenize_summary(report: dict, output: str) -> str:
+    dropped = ", ".join(f"{k} {v}" for k, v in report["dropped"].items() if v) or "none"
+    pct = report["length_percentiles"]
+    lines = [
+        f"lines read     {report['lines_read']}",
+        f"samples kept   {report['samples_kept']}  (truncated {report['truncated']})",
+        f"dropped        {report['dropped_total']}: {dropped}",
+        f"tokens         {report['total_tokens']}  (targets {report['target_tokens']})",
+    ]
+    if pct:
+        lines.append(
+            "length         "
+            + "  ".join(f"{k} {v:.0f}" for k, v in pct.items() if k in ("min", "p50", "p90", "max"))
+        )
+    lines += [f"  line {e['line']}: {e['reason']}: {e['message']}" for e in report["first_errors"][:5]]
+    lines.append(f"wrote {output} (report.json inside)")
+    return "\n".join(lines)
+
+
+# --- pack ------------------------------------------------------------------------------------------------
+
+
+def _pack_arguments(parser: argparse.ArgumentParser) -> None:
+    from longalign.packing import STRATEGIES
+
+    parser.add_argument("--input", required=True, help="dataset directory written by pre-tokenize")
+    parser.add_argument("--output", required=True, help="output dataset directory (replaced atomically)")
+    parser.add_argument("--max-seq-len", type=int, required=True, help="tokens per pack, at most")
+    parser.add_argument(
+        "--strategy",
+        choices=STRATEGIES,
+        default="bfd",
+        help="bfd/ffd: best/first-fit decreasing; greedy: next-fit in input order; "
+        "sorted: no packing, batches of similar length; none: one sample per row",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="order of equal lengths and of the packs")
+    parser.add_argument("--batch-size", type=int, default=1, help="samples per batch (strategy sorted)")
+    parser.add_argument(
+        "--drop-long", action="store_true", help="leave out samples over --max-seq-len instead of failing"
+    )
+
+
+def _pack(args: argparse.Namespace) -> int:
+    from longalign.packing import write_packs
+
+    report = write_packs(
+        args.input,
+        args.output,
+        max_seq_len=args.max_seq_len,
+        strategy=args.strategy,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        drop_long=args.drop_long,
+    )
+    _plot_packing(report, Path(args.output) / PLOT_NAME)
+    print(_pack_summary(report, args.output))
+    return 0
+
+
+def _plot_packing(report: dict, path: Path) -> None:
+    """Draw the sample-length histogram and the pack-fill histogram of a packing report."""
+    from matplotlib.figure import Figure  # Figure.savefig renders PNG with Agg; no pyplot, no display
+
+    figure = Figure(figsize=(11, 4), layout="constrained")
+    lengths, fills = figure.subplots(1, 2)
+    hist = report["histograms"]["sample_length"]
+    lengths.stairs(hist["counts"], hist["edges"], fill=True)
+    lengths.set(
+        title=f"{report['samples']:,} samples, {report['tokens']:,} tokens",
+        xlabel="tokens per sample",
+        ylabel="samples",
+    )
+    hist = report["histograms"]["fill"]
+    # Log scale: the few part-filled packs are the story, next to thousands of full ones.
+    fills.stairs(hist["counts"], [100 * e for e in hist["edges"]], fill=True, baseline=0.5)
+    fills.set(
+        yscale="log",
+        title=f"{report['packs']:,} rows ({report['strategy']}), efficiency {report['efficiency']:.2%}",
+        xlabel="fill (% of the row's slots)",
+        ylabel="rows",
+    )
+    figure.savefig(path, dpi=100)
+
+
+def _pack_summary(report: dict, output: str) -> str:
+    dropped = report["dropped_long"]
+    per_pack, fill = report["samples_per_pack"], report["fill"]
+    cost = report["attention_cost"]
+    bound = ""
+    if report["lower_bound_packs"] is not None:
+        bound = (
+            f"  lower bound {report['lower_bound_packs']:,} ({report['packs_over_lower_bound_pct']:+.4f}%)"
+        )
+    lines = [
+        f"strategy       {report['strategy']}  max_seq_len {report['max_seq_len']}  seed {report['seed']}",
+        f"samples        {report['samples']:,} packed of {report['samples_in']:,}"
+        f"  (dropped as too long: {dropped['samples']:,}, {dropped['tokens']:,} tokens)",
+        f"tokens         {report['tokens']:,}",
+        f"rows           {report['packs']:,}" + bound,
+        f"efficiency     {report['efficiency']:.4%}",
+        "samples/row    " + "  ".join(f"{k} {v:g}" for k, v in per_pack.items()),
+        "fill           " + "  ".join(f"{k} {v:.2%}" for k, v in fill.items()),
+        f"attention      sum(l^2) {cost['total']:.3g}; per row "
+        + "  ".join(f"{k} {v:.3g}" for k, v in cost["per_pack"].items()),
+        f"wrote {output} (report.json, {PLOT_NAME} inside)",
+    ]
+    return "\n".join(lines)
+
+
+# --- train -----------------------------------------------------------------------------------------------
+
+
+def _train(args: argparse.Namespace) -> int:
+    from longalign.config import load_config
+    from longalign.run import train
+
+    return train(load_config(args.config, args.overrides))
+
+
+# --- probe -----------------------------------------------------------------------------------------------
+
+
+def _probe_arguments(parser: argparse.ArgumentParser) -> None:
+    _config_arguments(parser)
+    parser.add_argument(
+        "--lengths", default="4k,8k,16k,32k,64k", help="tokens per pack, e.g. 4k,8k,16k or 3000"
+    )
+    parser.add_argument(
+        "--max-memory",
+        help="memory cap per rank, e.g. 70GiB: on CUDA the allocator refuses more; on CPU a step whose "
+        "peak resident set is over the cap counts as out of memory",
+    )
+    parser.add_argument("--output", type=Path, default=Path("probe.json"), help="where the results go")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic sample lengths and tokens")
+    parser.add_argument("--trace", action="store_true", help="also print the failing step's traceback")
+    parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)  # one length, in a fresh process
+    parser.add_argument("--packs", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+
+
+def _probe(args: argparse.Namespace) -> int:
+    from longalign.config import load_config
+    from longalign.probe import ProbeRequest, ladder, parse_lengths, parse_size, step_worker
+
+    request = ProbeRequest(
+        config=args.config,
+        overrides=tuple(args.overrides),
+        lengths=parse_lengths(args.lengths),
+        max_memory=parse_size(args.max_memory) if args.max_memory else None,
+        seed=args.seed,
+        output=args.output,
+        trace=args.trace,
+    )
+    cfg = load_config(args.config, args.overrides)
+    if args.worker is not None:
+        step_worker(request, args.worker, args.packs, args.result)
+    return ladder(request, cfg, say=lambda line: print(line, flush=True))
+
+
+# --- preflight -------------------------------------------------------------------------------------------
+
+
+def _preflight_arguments(parser: argparse.ArgumentParser) -> None:
+    from longalign.preflight import DEFAULT_ENV
+
+    _config_arguments(parser)
+    parser.add_argument(
+        "--env",
+        default="",
+        help=f"more environment variables to compare, comma-separated; NAME_* matches a prefix "
+        f"(always checked: {', '.join(DEFAULT_ENV)})",
+    )
+    parser.add_argument("--no-default-env", action="store_true", help="check only the --env names")
+
+
+def _preflight(args: argparse.Namespace) -> int:
+    from longalign.config import load_config
+    from longalign.preflight import DEFAULT_ENV
+    from longalign.run import preflight
+
+    cfg = load_config(args.config, args.overrides)
+    extra = [name.strip() for name in args.env.split(",") if name.strip()]
+    env_names = list(dict.fromkeys(([] if args.no_default_env else list(DEFAULT_ENV)) + extra))
+    report = preflight(cfg, env_names)
+    if int(os.environ.get("RANK", "0")) == 0:  # set by the launcher; one process otherwise
+        print(report)
+    return 0 if report.ok else 1
+
+
+COMMANDS = {
+    "pre-tokenize": Command(
+        "chat JSONL -> tokenized samples with assistant-only labels",
+        "Chat JSONL -> tokenized sample dataset (Arrow) with assistant-only labels, plus report.json.\n\n"
+        "    longalign pre-tokenize --input data/sample.jsonl --tokenizer data/tokenizer \\\n"
+        "        --output out/tokenized --max-seq-len 8192",
+        _pre_tokenize_arguments,
+        _pre_tokenize,
+    ),
+    "pack": Command(
+        "tokenized samples -> packs with cu_seqlens (sort and group)",
+        "Tokenized sample dataset -> packs of at most --max-seq-len tokens with cu_seqlens, plus report.json\n"
+        "and packing.png (sample-length and pack-fill histograms).\n\n"
+        "    longalign pack --input out/tokenized --output out/packed --max-seq-len 8192",
+        _pack_arguments,
+        _pack,
+    ),
+    "train": Command(
+        "train on packs with exact sequence- or token-level loss weighting",
+        "Train on packed long-context chat data with exact sequence- or token-level loss weighting.\n\n"
+        "    accelerate launch -m longalign train --config run.toml [section.key=value ...]\n\n"
+        "[data] train_file is a packed directory used as is, or a pre-tokenized one packed here with\n"
+        "[packing] and cached next to the run. Exit status: 0 trained, 1 the preflight failed, 2 bad input.",
+        _config_arguments,
+        _train,
+    ),
+    "probe": Command(
+        "length-ladder memory probe: the longest pack this run fits",
+        "Length-ladder memory probe: the longest pack this run's training steps fit in.\n\n"
+        "    longalign probe --config run.toml --lengths 4k,8k,16k,32k,64k\n"
+        "    accelerate launch -m longalign probe --config run.toml --lengths 16k,32k,64k\n\n"
+        "For each length, smallest first, a fresh process per rank builds the run's trainer from the config\n"
+        "on synthetic packs of exactly that many tokens, per_device_batch_size packs per rank, and runs two\n"
+        "optimizer steps (the second carries the optimizer states: the steady-state peak, and the step time\n"
+        "shown). Peak memory is CUDA max_memory_allocated, or on CPU the peak resident set of that fresh\n"
+        "process. The ladder stops at the first length that fails and says what would raise the limit. The\n"
+        "table and every rank's numbers, with the failure's traceback, go to --output.\n\n"
+        "Exit status: 0 when at least the smallest length fits, 1 when none does, 2 for bad arguments.",
+        _probe_arguments,
+        _probe,
+    ),
+    "preflight": Command(
+        "check that every rank would train on the same thing",
+        "Preflight check: every rank reports what it would train with; rank 0 prints one table.\n\n"
+        "    accelerate launch -m longalign preflight --config run.toml [--env WANDB_PROJECT,...]\n\n"
+        "Rows: python and package versions, the attention backend `auto` resolves to, fingerprints of the\n"
+        "config, tokenizer (vocabulary + chat template) and packed dataset, the environment variables the\n"
+        "run depends on (secret-looking values only as a short hash), an all-reduce round trip, and each\n"
+        "rank's host, device and free memory (which may differ). The model is not loaded.\n\n"
+        "Exit status: 0 when every rank agrees, 1 otherwise (naming the rank and the fix), 2 for bad input.",
+        _preflight_arguments,
+        _preflight,
+    ),
+}

@@ -1,0 +1,137 @@
+"""What many tests share: paths, tiny models from config, hand-written pack rows, the two-rank launcher.
+
+Plain helpers are imported by name (``from conftest import tiny_model``); fixtures are used as arguments.
+Tests that start processes (scripts, ``accelerate launch``, end-to-end runs) are marked ``integration``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from transformers import (
+    AutoTokenizer,
+    Glm4Config,
+    Glm4ForCausalLM,
+    GlmConfig,
+    GlmForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKENIZER = ROOT / "data" / "tokenizer"
+SAMPLE = ROOT / "data" / "sample.jsonl"
+DEMO = ROOT / "configs" / "demo.toml"
+LAUNCHER = Path(sys.executable).parent / "accelerate"
+
+needs_launcher = pytest.mark.skipif(not LAUNCHER.exists(), reason="accelerate launcher not installed")
+
+# A 2-layer decoder with grouped-query attention; every family below takes these fields.
+TINY = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=256,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+)
+FAMILIES = {
+    "llama": (LlamaForCausalLM, LlamaConfig),
+    "glm": (GlmForCausalLM, GlmConfig),  # partial rotary: half of each head rotates
+    "glm4": (Glm4ForCausalLM, Glm4Config),
+    "mistral": (MistralForCausalLM, MistralConfig),  # the generic path
+}
+
+
+def tiny_model(
+    kind: str = "llama", *, seed: int = 0, backend: str | None = None, **overrides
+) -> torch.nn.Module:
+    """A random tiny model of ``kind`` (``TINY`` with ``overrides``), patched for ``backend`` if given."""
+    import longalign.patch
+
+    cls, config_cls = FAMILIES[kind]
+    torch.manual_seed(seed)
+    model = cls(config_cls(**{**TINY, **overrides}))
+    return model if backend is None else longalign.patch.apply(model, backend=backend)
+
+
+def pack_row(samples: list[tuple[list[int], list[int]]]) -> dict[str, list[int]]:
+    """One pack row from ``(input_ids, labels)`` samples, as the pack stage writes it."""
+    seq_lens = [len(ids) for ids, _ in samples]
+    return {
+        "input_ids": [t for ids, _ in samples for t in ids],
+        "labels": [t for _, labels in samples for t in labels],
+        "cu_seqlens": [sum(seq_lens[:i]) for i in range(len(seq_lens) + 1)],
+        "seq_lens": seq_lens,
+    }
+
+
+def count_packs(per_pack: list[list[int]]) -> list[dict[str, list[int]]]:
+    """Pack rows of the given sample lengths whose tokens (and labels) are 1, 2, 3, ..."""
+    rows = []
+    for seq_lens in per_pack:
+        ids = list(range(1, sum(seq_lens) + 1))
+        offsets = [sum(seq_lens[:i]) for i in range(len(seq_lens) + 1)]
+        rows.append(pack_row([(ids[a:b], ids[a:b]) for a, b in zip(offsets, offsets[1:], strict=False)]))
+    return rows
+
+
+def save_packs(path: Path, rows: list[dict]) -> Path:
+    datasets.Dataset.from_list(rows).save_to_disk(str(path))
+    return path
+
+
+def launch(
+    script: Path | str,
+    *args: str,
+    num_processes: int = 2,
+    env: dict[str, str] | None = None,
+    cwd: Path | str | None = None,
+    timeout: float = 300,
+) -> subprocess.CompletedProcess:
+    """``accelerate launch`` of ``script`` on ``num_processes`` CPU ranks (gloo); output captured."""
+    environment = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    cmd = [str(LAUNCHER), "launch", "--multi_gpu", "--num_processes", str(num_processes),
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", "0", str(script), *args]  # fmt: skip
+    return subprocess.run(cmd, env=environment, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
+def demo_overrides(output_dir: Path, train_file: Path | str) -> list[str]:
+    """Overrides that point the demo config at test data and output, with the shipped tokenizer."""
+    return [
+        f"data.train_file={json.dumps(str(train_file))}",
+        f"training.output_dir={json.dumps(str(output_dir))}",
+        f"model.tokenizer={json.dumps(str(TOKENIZER))}",
+    ]
+
+
+@pytest.fixture(scope="session")
+def sample_tokenizer():
+    """The shipped 4096-entry tokenizer with its Llama-3-style template."""
+    return AutoTokenizer.from_pretrained(TOKENIZER)
+
+
+@pytest.fixture(scope="session")
+def tokenized_sample(tmp_path_factory, sample_tokenizer) -> Path:
+    """``data/sample.jsonl`` pre-tokenized at 1024 tokens (truncated on the right)."""
+    from longalign.tokenize import pre_tokenize
+
+    out = tmp_path_factory.mktemp("sample") / "tokenized"
+    pre_tokenize(SAMPLE, sample_tokenizer, out, max_seq_len=1024)
+    return out

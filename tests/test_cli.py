@@ -1,0 +1,104 @@
+"""The `longalign` command: subcommands, their --help, one-line errors, and the scripts that run them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import DEMO, ROOT, SAMPLE, TOKENIZER
+from test_packing import make_samples, save_samples
+
+from longalign.cli import COMMANDS, PLOT_NAME, main
+
+SUBCOMMANDS = ["pre-tokenize", "pack", "train", "probe", "preflight"]
+
+
+def test_help_lists_the_five_subcommands(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert list(COMMANDS) == SUBCOMMANDS
+    assert all(f"    {name}" in out for name in SUBCOMMANDS)
+
+
+@pytest.mark.parametrize("name", SUBCOMMANDS)
+def test_every_subcommand_has_help(name, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([name, "--help"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: longalign {name}")
+
+
+def test_pack_writes_plot_and_prints_summary(tmp_path, capsys):
+    lengths = np.random.default_rng(1).integers(1, 41, 90).tolist()
+    tokenized = save_samples(make_samples(lengths), tmp_path / "tokenized")
+    out = tmp_path / "packed"
+    assert main(["pack", "--input", str(tokenized), "--output", str(out), "--max-seq-len", "64"]) == 0
+    assert (out / PLOT_NAME).stat().st_size > 0
+    printed = capsys.readouterr().out
+    assert "efficiency" in printed and "lower bound" in printed
+    assert main(["pack", "--input", str(tokenized), "--output", str(out), "--max-seq-len", "8"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("longalign pack: error: line") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["train", "--config", "nope.toml"], "longalign train: error: nope.toml: config file not found"),
+        (["train", "--config", str(DEMO), "loss.weighting=mean"], "loss.weighting: 'mean' is not one of"),
+        (
+            ["train", "--config", str(DEMO), "training.remove_unused_columns=true"],
+            "training.remove_unused_columns: longalign sets it to false",
+        ),
+        (["preflight", "--config", str(DEMO), "packing.strategy=tight"], "packing.strategy: 'tight'"),
+        (["probe", "--config", str(DEMO), "--lengths", "4x"], "length '4x'"),
+        (
+            [
+                "pre-tokenize",
+                "--input",
+                "missing.jsonl",
+                "--tokenizer",
+                str(TOKENIZER),
+                "--output",
+                "o",
+                "--max-seq-len",
+                "64",
+            ],
+            "missing.jsonl: input file not found",
+        ),  # fmt: skip
+    ],
+)
+def test_bad_input_is_one_line_naming_it(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.integration
+def test_console_command_and_scripts_run_the_same_subcommands(tmp_path):
+    """The installed `longalign` command and `python scripts/X.py` both parse and run their subcommand."""
+    longalign = [str(ROOT / ".venv" / "bin" / "longalign")]
+    if not (ROOT / ".venv" / "bin" / "longalign").exists():
+        longalign = [sys.executable, "-m", "longalign"]
+    result = subprocess.run([*longalign, "--help"], capture_output=True, text=True, check=True)
+    assert all(name in result.stdout for name in SUBCOMMANDS)
+    out = tmp_path / "tok"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "pre_tokenize.py"), "--input", str(SAMPLE), "--tokenizer",
+         str(TOKENIZER), "--output", str(out), "--max-seq-len", "512", "--truncation", "drop"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "lines read     400" in result.stdout
+    assert json.loads((out / "report.json").read_text())["lines_read"] == 400
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "--config", str(DEMO), "data.max_seq_len=0x"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.startswith("train.py: error: data.max_seq_len: expected int")
