@@ -19,6 +19,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -152,8 +153,12 @@ def train(cfg: Config) -> int:
     trainer = build_trainer(cfg)
     try:
         return _lifecycle(trainer, cfg)
+    except BaseException as err:
+        # The failed step's frames still hold the DDP wrapper as a local; let release() be its last owner.
+        traceback.clear_frames(err.__traceback__)
+        raise
     finally:
-        del trainer
+        release(trainer)
         close()
 
 
@@ -194,7 +199,18 @@ def preflight(cfg: Config, env_names: Sequence[str] = DEFAULT_ENV) -> PreflightR
         close()
 
 
+def release(trainer: LongAlignTrainer) -> None:
+    """Free the trainer's DDP wrapper while the process group is still alive.
+
+    The wrapper's C++ reducer holds the gloo group. Freed last, after the group was destroyed, the reducer
+    joins gloo's worker thread while holding the GIL, and that thread may still need the GIL to drop the
+    last collective's buffers: the rank never exits. Freed here, the reducer is not the group's last owner.
+    """
+    trainer.model_wrapped = trainer.model
+    trainer.accelerator.free_memory()  # the accelerator's references too, then gc.collect()
+
+
 def close() -> None:
-    """Leave the process group explicitly: a gloo group still alive at interpreter exit can abort a rank."""
+    """Leave the process group, once nothing that holds it is left (see :func:`release`)."""
     gc.collect()
     PartialState().destroy_process_group()

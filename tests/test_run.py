@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEMO
+from conftest import DEMO, count_packs, demo_overrides, launch, needs_launcher, save_packs
 
 from longalign.config import ConfigError, load_config
 from longalign.run import model_dtype, training_arguments
@@ -28,3 +28,19 @@ def test_arguments_transformers_refuses_are_one_line_config_errors(tmp_path):
 def test_model_dtype_is_resolved_once_from_the_config():
     assert model_dtype(load_config(DEMO)) == torch.float32  # a random model: float32
     assert model_dtype(load_config(DEMO, ["model.torch_dtype='bfloat16'"])) == torch.bfloat16
+
+
+@pytest.mark.integration
+@needs_launcher
+def test_two_rank_runs_exit_every_time(tmp_path):
+    """The DDP wrapper is freed before the process group: ten two-rank runs in a row all exit on their own."""
+    packs = save_packs(tmp_path / "packs", count_packs([[40, 20], [30], [50, 10], [25, 25]]))
+    for run in range(10):
+        result = launch(
+            DEMO.parent.parent / "train.py", "--config", str(DEMO),
+            *demo_overrides(tmp_path / f"run{run}", packs), "training.max_steps=1",
+            "training.save_strategy='no'", "training.disable_tqdm=true", "data.eval_file=''",
+            timeout=120,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert (tmp_path / f"run{run}" / "trainer_state.json").exists()
