@@ -100,7 +100,7 @@ def test_sdpa_segments_matches_dense_reference(
     lengths, kv_heads, group, head_dim, causal, window, scale, seed
 ):
     q, k, v, cu_seqlens = random_pack(lengths, kv_heads * group, kv_heads, head_dim, seed=seed)
-    cotangent = torch.randn_like(q)
+    cotangent = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(q.dtype).to(q.device)
     options = {"causal": causal, "scale": scale, "window": window}
     got = values_and_grads(
         lambda q, k, v: varlen_attention(
@@ -122,7 +122,7 @@ def test_sdpa_segments_matches_dense_reference(
 def test_every_available_backend_matches_reference_on_cpu(dtype, tolerance):
     lengths = [1, 9, 1, 30, 4, 1]  # odd lengths and single-token samples
     q, k, v, cu_seqlens = random_pack(lengths, 6, 2, 16, dtype=dtype)
-    cotangent = torch.randn_like(q)
+    cotangent = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
     expected = values_and_grads(
         lambda q, k, v: dense_reference(q.double(), k.double(), v.double(), cu_seqlens), q, k, v, cotangent
     )
@@ -276,7 +276,7 @@ def test_gpu_backend_matches_sdpa_segments_in_bf16(name, window):
         pytest.skip(f"{name}: {reason}")
     lengths = [1, 300, 17, 1, 1000, 129]
     q, k, v, cu_seqlens = random_pack(lengths, 8, 2, 64, dtype=torch.bfloat16, device=device)
-    cotangent = torch.randn_like(q)
+    cotangent = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(q.dtype).to(q.device)
     expected = values_and_grads(
         lambda q, k, v: varlen_attention(q.float(), k.float(), v.float(), cu_seqlens, 1000, window=window),
         q,
