@@ -29,7 +29,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from longalign.artifacts import atomic_output_dir, load_stage, write_report
+from longalign.artifacts import check_output, load_stage, stage_output, write_report
 
 STRATEGIES = ("bfd", "ffd", "greedy", "sorted", "none")  # see pack()
 
@@ -350,14 +350,17 @@ def write_packs(
     seed: int = 0,
     batch_size: int = 1,
     drop_long: bool = False,
+    replace: bool = True,
 ) -> dict[str, Any]:
     """Pack the pre-tokenized dataset at ``tokenized_dir`` into ``output_dir``; return the report.
 
     Packs from the ``length`` column, then gathers tokens ``_WRITE_BATCH_TOKENS`` at a time, so token
     lists never become Python objects. A sample longer than ``max_seq_len`` is an error naming its line,
-    unless ``drop_long`` (then it is left out and counted in the report). The output directory appears
-    complete or not at all.
+    unless ``drop_long`` (then it is left out and counted in the report). The output is checked before
+    any work and appears complete or not at all (see ``longalign.artifacts.stage_output``, which also
+    says what ``replace=False`` does).
     """
+    check_output(output_dir, inputs=[tokenized_dir])
     samples = load_stage(tokenized_dir, required_columns=SAMPLE_COLUMNS).data.table
     if samples.num_rows == 0:
         raise ValueError(f"{tokenized_dir}: no samples to pack")
@@ -369,7 +372,8 @@ def write_packs(
         i = int(np.flatnonzero(too_long)[0])
         raise ValueError(
             f"line {lines[i]}: sample has {lengths[i]} tokens, more than max_seq_len={max_seq_len} "
-            f"({int(too_long.sum())} such samples); pass drop_long=True (--drop-long) to leave them out"
+            f"({int(too_long.sum())} such samples); leave them out with --drop-long (longalign pack) "
+            "or packing.drop_long = true (a run file)"
         )
     kept = np.flatnonzero(~too_long)
     if kept.size == 0:
@@ -391,7 +395,7 @@ def write_packs(
     }
     rows = kept[np.fromiter(chain.from_iterable(packs), dtype=np.int64, count=len(kept))]
     samples_per_pack = np.fromiter(map(len, packs), dtype=np.int64, count=len(packs))
-    with atomic_output_dir(output_dir) as staging:
+    with stage_output(output_dir, stage="pack", inputs=[tokenized_dir], replace=replace) as staging:
         _save_packs(samples, rows, samples_per_pack, lengths[rows], staging)
         write_report(staging, report)
     return report

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
+import shutil
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,7 +31,7 @@ from typing import Any
 import datasets
 import numpy as np
 
-from longalign.artifacts import atomic_output_dir, write_report
+from longalign.artifacts import stage_output, write_report
 
 TRUNCATIONS = ("right", "left", "drop")
 # Every reason a line can be dropped for. All but "over_length" are bad input (``strict`` stops at them).
@@ -402,7 +402,8 @@ def pre_tokenize(
     """Tokenize a chat JSONL file into a sample dataset at ``output_dir``; return the report.
 
     Bad lines are skipped and counted by reason (``strict`` raises at the first one instead). The output
-    directory is replaced only when everything succeeded.
+    is checked before any work (see ``longalign.artifacts.stage_output``) and replaced only when
+    everything succeeded; the work files live in its staging directory, never in ``$TMPDIR``.
     """
     if truncation not in TRUNCATIONS:
         raise ValueError(f"truncation must be one of {', '.join(TRUNCATIONS)}, got {truncation!r}")
@@ -413,8 +414,9 @@ def pre_tokenize(
         raise InputError(f"{input_path}: input file not found")
     if input_path.stat().st_size == 0:
         raise InputError(f"{input_path}: input file is empty")
-    check_chat_template(tokenizer)
-    with tempfile.TemporaryDirectory(prefix="longalign-tok-") as cache_dir:
+    with stage_output(output_dir, stage="pre-tokenize", inputs=[input_path]) as staging:
+        check_chat_template(tokenizer)
+        cache_dir = str(staging / ".cache")
         try:
             raw = datasets.Dataset.from_generator(
                 read_lines,
@@ -446,9 +448,9 @@ def pre_tokenize(
                 row = mapped[int(bad[0])]
                 raise RecordError(row["reason"], f"{input_path}: line {row['line']}: {row['error']}")
         kept = mapped.select(np.flatnonzero(reasons == "")).remove_columns(["reason", "error", "truncated"])
-        with atomic_output_dir(output_dir) as staging:
-            kept.save_to_disk(str(staging))
-            write_report(staging, report)
+        kept.save_to_disk(str(staging))
+        write_report(staging, report)
+        shutil.rmtree(cache_dir)
     return report
 
 

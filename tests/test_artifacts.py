@@ -1,0 +1,152 @@
+"""Stage outputs: what --output may replace, staging that never outlives its run, and the umask."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from conftest import ROOT, SAMPLE, TOKENIZER
+from test_packing import make_samples, save_samples
+
+from longalign.artifacts import (
+    MARKER_NAME,
+    OutputError,
+    check_output,
+    remove_stale,
+    stage_output,
+    staging_dir,
+)
+from longalign.packing import write_packs
+from longalign.tokenize import pre_tokenize
+
+
+@pytest.fixture
+def tokenized(tmp_path):
+    lengths = np.random.default_rng(1).integers(1, 41, 30).tolist()
+    return save_samples(make_samples(lengths), tmp_path / "tokenized")
+
+
+def test_output_that_is_or_contains_the_input_is_refused_before_any_work(tmp_path, sample_tokenizer):
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(SAMPLE.read_text().splitlines()[0] + "\n")
+    before = chats.read_bytes()
+    with pytest.raises(OutputError, match="the output is the input"):
+        pre_tokenize(chats, sample_tokenizer, chats, max_seq_len=512)
+    with pytest.raises(OutputError, match="the output contains the input"):
+        pre_tokenize(chats, sample_tokenizer, tmp_path, max_seq_len=512)
+    assert chats.read_bytes() == before
+
+
+def test_pack_output_that_is_its_input_is_refused(tokenized):
+    listing = sorted(p.name for p in tokenized.iterdir())
+    with pytest.raises(OutputError, match="the output is the input"):
+        write_packs(tokenized, tokenized, max_seq_len=64)
+    assert sorted(p.name for p in tokenized.iterdir()) == listing
+
+
+def test_only_empty_or_stage_directories_are_replaced(tmp_path, tokenized):
+    unrelated = tmp_path / "photos"
+    unrelated.mkdir()
+    (unrelated / "cat.jpg").write_bytes(b"\xff\xd8")
+    with pytest.raises(OutputError, match="no longalign stage wrote"):
+        write_packs(tokenized, unrelated, max_seq_len=64)
+    assert (unrelated / "cat.jpg").exists()
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("keep me")
+    with pytest.raises(OutputError, match="is not a directory"):
+        write_packs(tokenized, a_file, max_seq_len=64)
+    assert a_file.read_text() == "keep me"
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    write_packs(tokenized, empty, max_seq_len=64)
+    assert (empty / MARKER_NAME).exists() and (empty / "report.json").exists()
+    write_packs(tokenized, empty, max_seq_len=48)  # an earlier stage output is replaced
+    assert json.loads((empty / "report.json").read_text())["max_seq_len"] == 48
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_an_output_that_cannot_be_written_fails_before_any_work(tmp_path, tokenized):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(OutputError, match="cannot write there"):
+        write_packs(tokenized, blocker / "packed", max_seq_len=64)
+    with pytest.raises(OutputError, match="cannot write there"):
+        check_output(blocker / "packed")  # no error yet: only the staging directory finds out
+        with stage_output(blocker / "packed", stage="test"):
+            pytest.fail("the block must not run")
+
+
+def test_without_replace_an_output_that_appeared_meanwhile_is_kept(tmp_path):
+    out = tmp_path / "cache"
+    with stage_output(out, stage="test", replace=False) as staging:
+        (staging / "first").write_text("1")
+        with stage_output(out, stage="test", replace=False) as other:  # another writer finishes first
+            (other / "second").write_text("2")
+    assert sorted(p.name for p in out.iterdir()) == [MARKER_NAME, "second"]
+    assert [p.name for p in tmp_path.iterdir()] == ["cache"]
+
+
+def test_stale_staging_of_dead_processes_is_removed(tmp_path):
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    dead_pid = int(dead.stdout)
+    host = socket.gethostname()
+    for name, owner in {
+        ".out.tmp-1-dead": {"host": host, "pid": dead_pid},
+        ".out.tmp-2-alive": {"host": host, "pid": os.getpid()},
+        ".out.tmp-3-elsewhere": {"host": "another-node", "pid": dead_pid},
+    }.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / ".owner").write_text(json.dumps(owner))
+    (tmp_path / f".out.tmp-{dead_pid}-unnamed").mkdir()  # killed before it wrote its owner
+    (tmp_path / ".out.old-x").mkdir()  # a retired output whose removal was cut short
+    (tmp_path / ".other.tmp-1-dead").mkdir()  # another output's staging: not ours to judge
+    removed = sorted(p.name for p in remove_stale(tmp_path, "out"))
+    assert removed == [".out.old-x", ".out.tmp-1-dead", f".out.tmp-{dead_pid}-unnamed"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".other.tmp-1-dead",
+        ".out.tmp-2-alive",
+        ".out.tmp-3-elsewhere",
+    ]
+
+
+def test_staging_follows_the_umask_and_is_removed_on_error(tmp_path):
+    old = os.umask(0o027)
+    try:
+        with pytest.raises(RuntimeError), staging_dir(tmp_path, "out") as staging:
+            assert staging.stat().st_mode & 0o777 == 0o750
+            raise RuntimeError("the stage failed")
+    finally:
+        os.umask(old)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.integration
+def test_sigterm_mid_stage_leaves_nothing_behind(tmp_path):
+    """A terminated pre-tokenize removes its staging (work files included) and leaves no output."""
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(SAMPLE.read_text() * 20)
+    out = tmp_path / "tok"
+    env = {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
+    (tmp_path / "tmp").mkdir()
+    process = subprocess.Popen(
+        [sys.executable, str(ROOT / "scripts" / "pre_tokenize.py"), "--input", str(chats), "--tokenizer",
+         str(TOKENIZER), "--output", str(out), "--max-seq-len", "4096"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(".tok.tmp-*/.cache")) and time.monotonic() < deadline:
+        time.sleep(0.05)  # wait until the stage is at work in its staging directory
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=60) == 128 + signal.SIGTERM
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chats.jsonl", "tmp"]
+    assert list((tmp_path / "tmp").iterdir()) == []  # nothing in $TMPDIR either
