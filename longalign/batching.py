@@ -26,6 +26,7 @@ Which packs a rank gets is decided by :class:`PackBatchSampler` (seeded, balance
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -174,6 +175,19 @@ class PaddedCollator:
             "labels": pad(labels.split(lengths), batch_first=True, padding_value=self.ignore_index),
             "loss_weights": pad(weights.split(lengths), batch_first=True),
         }
+
+
+def packs_fingerprint(packs) -> str:
+    """Row count and a hash of the ``cu_seqlens`` column of a pack dataset (whatever its int width).
+
+    Two pack datasets with the same fingerprint hold the same samples in the same rows, as far as the
+    sampler and the loss weights can tell.
+    """
+    column = packs.data.column("cu_seqlens").combine_chunks()
+    digest = hashlib.sha256()
+    for part in (pc.list_value_length(column), pc.list_flatten(column)):
+        digest.update(part.to_numpy(zero_copy_only=False).astype(np.int64).tobytes())
+    return f"{len(packs):,} packs, cu_seqlens {digest.hexdigest()[:12]}"
 
 
 def pack_costs(packs) -> np.ndarray:

@@ -71,6 +71,21 @@ def _run(prog: str, command: Command, args: argparse.Namespace) -> int:
         return 2
 
 
+def _at_least(lowest: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``lowest`` (argparse names the flag in its error)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < lowest:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lowest}, got {value}")
+        return value
+
+    return parse
+
+
 def _config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, required=True, help="the run's TOML file")
     parser.add_argument("overrides", nargs="*", help="section.key=value settings that win over the file")
@@ -85,11 +100,13 @@ def _pre_tokenize_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input", required=True, help="JSONL file, one chat record per line")
     parser.add_argument("--tokenizer", required=True, help="tokenizer directory or hub name")
     parser.add_argument("--output", required=True, help="output dataset directory (replaced atomically)")
-    parser.add_argument("--max-seq-len", type=int, required=True, help="longest sample kept, in tokens")
+    parser.add_argument(
+        "--max-seq-len", type=_at_least(1), required=True, help="longest sample kept, in tokens"
+    )
     parser.add_argument(
         "--truncation", choices=TRUNCATIONS, default="right", help="what to do with longer samples"
     )
-    parser.add_argument("--num-proc", type=int, default=1, help="tokenizer processes")
+    parser.add_argument("--num-proc", type=_at_least(1), default=1, help="tokenizer processes")
     parser.add_argument(
         "--strict", action="store_true", help="stop at the first bad line instead of skipping it"
     )
@@ -151,7 +168,7 @@ def _pack_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--input", required=True, help="dataset directory written by pre-tokenize")
     parser.add_argument("--output", required=True, help="output dataset directory (replaced atomically)")
-    parser.add_argument("--max-seq-len", type=int, required=True, help="tokens per pack, at most")
+    parser.add_argument("--max-seq-len", type=_at_least(1), required=True, help="tokens per pack, at most")
     parser.add_argument(
         "--strategy",
         choices=STRATEGIES,
@@ -159,8 +176,12 @@ def _pack_arguments(parser: argparse.ArgumentParser) -> None:
         help="bfd/ffd: best/first-fit decreasing; greedy: next-fit in input order; "
         "sorted: no packing, batches of similar length; none: one sample per row",
     )
-    parser.add_argument("--seed", type=int, default=0, help="order of equal lengths and of the packs")
-    parser.add_argument("--batch-size", type=int, default=1, help="samples per batch (strategy sorted)")
+    parser.add_argument(
+        "--seed", type=_at_least(0), default=0, help="order of equal lengths and of the packs"
+    )
+    parser.add_argument(
+        "--batch-size", type=_at_least(1), default=1, help="samples per batch (strategy sorted)"
+    )
     parser.add_argument(
         "--drop-long", action="store_true", help="leave out samples over --max-seq-len instead of failing"
     )
@@ -257,7 +278,9 @@ def _probe_arguments(parser: argparse.ArgumentParser) -> None:
         "peak resident set is over the cap counts as out of memory",
     )
     parser.add_argument("--output", type=Path, default=Path("probe.json"), help="where the results go")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic sample lengths and tokens")
+    parser.add_argument(
+        "--seed", type=_at_least(0), default=0, help="seed of the synthetic sample lengths and tokens"
+    )
     parser.add_argument("--trace", action="store_true", help="also print the failing step's traceback")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)  # one length, in a fresh process
     parser.add_argument("--packs", type=Path, help=argparse.SUPPRESS)

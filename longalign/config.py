@@ -62,6 +62,10 @@ class DataConfig:
     max_seq_len: int = 65536  # token budget of one pack
     packed_cache_dir: str | None = None  # where on-the-fly packs go; default: <output_dir>/packed
 
+    def __post_init__(self) -> None:
+        if self.max_seq_len < 1:
+            raise ConfigError(f"data.max_seq_len: must be >= 1, got {self.max_seq_len}")
+
 
 @dataclass
 class PackingConfig:
@@ -75,6 +79,8 @@ class PackingConfig:
             raise ConfigError(f"packing.strategy: {self.strategy!r} is not one of {', '.join(STRATEGIES)}")
         if self.batch_size < 1:
             raise ConfigError(f"packing.batch_size: must be >= 1, got {self.batch_size}")
+        if self.seed < 0:
+            raise ConfigError(f"packing.seed: must be >= 0, got {self.seed}")
 
 
 @dataclass
@@ -102,8 +108,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if not self.model_name_or_path and self.init_from_config is None:
             raise ConfigError("model: set model_name_or_path, or init_from_config for a random model")
-        if self.init_from_config is not None and "model_type" not in self.init_from_config:
-            raise ConfigError("model.init_from_config: needs a 'model_type' key (e.g. 'llama')")
+        if self.init_from_config is not None:
+            _check_model_settings(self.init_from_config)
         if self.attn_backend not in ("auto", *BACKENDS):
             raise ConfigError(
                 f"model.attn_backend: {self.attn_backend!r} is not one of auto, {', '.join(BACKENDS)}"
@@ -114,12 +120,45 @@ class ModelConfig:
             )
 
 
+def _check_model_settings(settings: dict[str, Any]) -> None:
+    """``init_from_config`` keys must mean something to the model type's config: a typo is an error.
+
+    A key that the config neither has as a field nor consumes (``rope_theta`` is folded into
+    ``rope_parameters``) would be kept as a stray attribute and silently ignored by the model.
+    """
+    from transformers import CONFIG_MAPPING, AutoConfig
+
+    if "model_type" not in settings:
+        raise ConfigError("model.init_from_config: needs a 'model_type' key (e.g. 'llama')")
+    rest = {key: value for key, value in settings.items() if key != "model_type"}
+    if settings["model_type"] not in CONFIG_MAPPING:
+        raise ConfigError(
+            f"model.init_from_config.model_type: unknown model type {settings['model_type']!r}"
+            + _suggest(str(settings["model_type"]), list(CONFIG_MAPPING))
+        )
+    try:
+        fresh = AutoConfig.for_model(settings["model_type"])
+        built = AutoConfig.for_model(settings["model_type"], **rest)
+    except (ValueError, TypeError) as err:
+        message = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ConfigError(f"model.init_from_config: {message}") from None
+    known = set(vars(fresh)) | set(fresh.attribute_map)
+    for key in rest:
+        if key in vars(built) and key not in known:
+            raise ConfigError(
+                f"model.init_from_config.{key}: not a field of {type(fresh).__name__}{_suggest(key, sorted(known))}"
+            )
+
+
 @dataclass
 class TrainingConfig:
     output_dir: str = "runs/longalign"
     preflight: bool | None = None  # run the multi-rank checks before the first step; default: when ranks > 1
+    resume_ignore_changes: bool = False  # resume although the data, packing or loss settings changed
     args: dict[str, Any] = field(default_factory=dict)  # every other key, for transformers.TrainingArguments
 
+
+_OWN_TRAINING_KEYS = [f.name for f in dataclasses.fields(TrainingConfig) if f.name != "args"]
 
 SECTIONS = {
     "data": DataConfig,
@@ -154,6 +193,20 @@ ALIASES = {
     "training.per_device_batch_size": Alias("training.per_device_train_batch_size"),
     # TrainingArguments reads a warmup_steps value below 1 as a fraction of all steps.
     "training.warmup_ratio": Alias("training.warmup_steps"),
+}
+
+# TrainingArguments fields with a smallest sensible value that transformers does not check itself.
+TRAINING_MINIMUMS = {
+    "per_device_train_batch_size": 1,
+    "per_device_eval_batch_size": 1,
+    "gradient_accumulation_steps": 1,
+    "learning_rate": 0,
+    "num_train_epochs": 0,
+    "warmup_steps": 0,
+    "weight_decay": 0,
+    "max_grad_norm": 0,
+    "seed": 0,
+    "dataloader_num_workers": 0,
 }
 
 # TrainingArguments fields the run sets itself: the value it needs, and why.
@@ -202,7 +255,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     for name, cls in SECTIONS.items():
         table = {key.partition(".")[2]: value for key, value in values.items() if key.startswith(name + ".")}
         if cls is TrainingConfig:
-            own = {key: table.pop(key) for key in ("output_dir", "preflight") if key in table}
+            own = {key: table.pop(key) for key in _OWN_TRAINING_KEYS if key in table}
             built[name] = TrainingConfig(**own, args=table)
         else:
             built[name] = cls(**table)
@@ -288,7 +341,7 @@ def _setting(resolved: tuple[Any, str], written: dict[str, Any]) -> str:
 def _check_value(key: str, value: Any, written: str) -> None:
     """Check that ``key`` ("section.key", canonical) exists and ``value`` fits its type; errors name ``written``."""
     section, _, name = key.partition(".")
-    if section == "training" and name not in ("output_dir", "preflight"):
+    if section == "training" and name not in _OWN_TRAINING_KEYS:
         _check_training_arg(name, value, written)
         return
     cls = SECTIONS[section]
@@ -321,6 +374,9 @@ def _check_training_arg(name: str, value: Any, written: str) -> None:
         raise ConfigError(
             f"{written}: expected {_describe(annotation)}, got {type(value).__name__} {value!r}"
         )
+    lowest = TRAINING_MINIMUMS.get(name)
+    if lowest is not None and isinstance(value, int | float) and value < lowest:
+        raise ConfigError(f"{written}: must be >= {lowest}, got {value!r}")
 
 
 def _matches(value: Any, annotation: Any, lenient: bool = False) -> bool:

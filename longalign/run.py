@@ -22,15 +22,18 @@ import json
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+import pyarrow.compute as pc
 import torch
 import transformers
 from accelerate import PartialState
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainingArguments
-from transformers.trainer_utils import get_last_checkpoint
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 import longalign.patch
 from longalign.artifacts import load_stage
+from longalign.batching import packs_fingerprint
 from longalign.config import Config, ConfigError
 from longalign.packing import write_packs
 from longalign.preflight import (
@@ -41,7 +44,7 @@ from longalign.preflight import (
     preflight_enabled,
     run_preflight,
 )
-from longalign.trainer import LongAlignTrainer
+from longalign.trainer import CHECKPOINT_RECORD, LongAlignTrainer
 
 
 def training_arguments(cfg: Config) -> TrainingArguments:
@@ -94,10 +97,13 @@ def load_model(cfg: Config) -> torch.nn.Module:
 
 
 def resolve_packs(path: str, cfg: Config, args: TrainingArguments):
-    """Packs at ``path``: a packed directory as is, or a tokenized one packed once and cached."""
+    """Packs at ``path``: a packed directory as is, or a tokenized one packed once and cached.
+
+    Either way the rows must fit ``data.max_seq_len`` and use ``loss.ignore_index`` for non-targets.
+    """
     dataset = load_stage(path)
     if "cu_seqlens" in dataset.column_names:
-        return dataset
+        return check_packs(dataset, path, cfg)
     if "length" not in dataset.column_names:
         raise ConfigError(
             f"{path}: neither a packed nor a pre-tokenized dataset (columns {dataset.column_names})"
@@ -120,8 +126,63 @@ def resolve_packs(path: str, cfg: Config, args: TrainingArguments):
     cache = cache_root / f"{source.resolve().name}-{key}"
     with args.main_process_first(desc=f"packing {path}"):
         if not cache.exists():
-            write_packs(source, cache, **settings)
-    return load_stage(cache)
+            # Nodes on shared storage may pack at once: the first complete copy wins, the rest is dropped.
+            write_packs(source, cache, **settings, replace=False)
+    return check_packs(load_stage(cache), path, cfg)
+
+
+def check_packs(packs, path: str, cfg: Config):
+    """``packs`` if its rows fit ``data.max_seq_len`` and its labels mark non-targets with ``ignore_index``."""
+    longest = pc.max(pc.list_value_length(packs.data.column("input_ids"))).as_py() or 0
+    if longest > cfg.data.max_seq_len:
+        raise ConfigError(
+            f"{path}: pack rows of up to {longest} tokens do not fit data.max_seq_len = {cfg.data.max_seq_len}; "
+            "pack again with the smaller budget, or raise data.max_seq_len"
+        )
+    labels = pc.list_flatten(packs.data.column("labels"))
+    negative = pc.unique(pc.filter(labels, pc.less(labels, 0))).to_pylist()
+    if any(value != cfg.loss.ignore_index for value in negative):
+        raise ConfigError(
+            f"loss.ignore_index: {cfg.loss.ignore_index}, but {path} marks non-targets with "
+            f"{', '.join(map(str, sorted(negative)))} (pre-tokenize writes -100)"
+        )
+    return packs
+
+
+def check_vocabulary(model: torch.nn.Module, packs, path: str) -> None:
+    """Every token id of ``packs`` must have a row in the model's input embedding."""
+    largest = pc.max(pc.list_flatten(packs.data.column("input_ids"))).as_py()
+    size = model.get_input_embeddings().num_embeddings
+    if largest is not None and largest >= size:
+        raise ConfigError(
+            f"{path}: token id {largest} is outside the model's vocabulary of {size} "
+            "(was the data tokenized with another tokenizer, or is the model's vocab_size too small?)"
+        )
+
+
+def run_record(cfg: Config, args: TrainingArguments, packs) -> dict[str, Any]:
+    """What a checkpoint records of its run: ``decides`` must match on resume, ``kept`` is restored as saved.
+
+    ``decides``: the pack order and the loss (the data, the sampler's seed and split, the weighting);
+    ``kept``: what the restored optimizer and scheduler carry over from the checkpoint whatever the run
+    file now says.
+    """
+    return {
+        "decides": {
+            "data": packs_fingerprint(packs),
+            "data.max_seq_len": cfg.data.max_seq_len,
+            "packing.seed": cfg.packing.seed,
+            "loss.weighting": cfg.loss.weighting,
+            "training.per_device_train_batch_size": args.per_device_train_batch_size,
+            "training.gradient_accumulation_steps": args.gradient_accumulation_steps,
+            "training.seed": args.seed,
+            "world size": args.world_size,
+        },
+        "kept": {
+            f"training.{name}": getattr(args, name)
+            for name in ("learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay", "optim")
+        },
+    }
 
 
 def build_trainer(cfg: Config) -> LongAlignTrainer:
@@ -133,7 +194,10 @@ def build_trainer(cfg: Config) -> LongAlignTrainer:
     transformers.set_seed(args.seed)
     model = load_model(cfg)
     train_packs = resolve_packs(cfg.data.train_file, cfg, args)
+    check_vocabulary(model, train_packs, cfg.data.train_file)
     eval_packs = resolve_packs(cfg.data.eval_file, cfg, args) if cfg.data.eval_file else None
+    if eval_packs is not None:
+        check_vocabulary(model, eval_packs, cfg.data.eval_file)
     return LongAlignTrainer(
         model=model,
         args=args,
@@ -145,6 +209,7 @@ def build_trainer(cfg: Config) -> LongAlignTrainer:
         loss_chunk_size=cfg.loss.chunk_size,
         ignore_index=cfg.loss.ignore_index,
         pack_seed=cfg.packing.seed,
+        run_record=json.loads(json.dumps(run_record(cfg, args, train_packs), default=str)),
     )
 
 
@@ -169,15 +234,87 @@ def _lifecycle(trainer: LongAlignTrainer, cfg: Config) -> int:
             print(report, flush=True)
         if not report.ok:
             return 1
-    resume = trainer.args.resume_from_checkpoint
-    if resume == "last":
-        resume = get_last_checkpoint(trainer.args.output_dir)
+    resume = resume_point(trainer, cfg)
     trainer.train(resume_from_checkpoint=resume)
     if trainer.eval_dataset is not None:
         trainer.evaluate()
     trainer.save_model()
     trainer.save_state()
     return 0
+
+
+def resume_point(trainer: LongAlignTrainer, cfg: Config) -> str | None:
+    """The checkpoint to resume from (``None``: a fresh run), after checking that resuming is sound.
+
+    ``resume_from_checkpoint = "last"`` takes the newest complete checkpoint of ``output_dir``. A resume
+    whose data, packing or loss settings differ from the checkpoint's is refused, naming what changed,
+    unless ``training.resume_ignore_changes``; settings the checkpoint's optimizer and scheduler keep are
+    stated. A fresh run into an ``output_dir`` that holds checkpoints is refused: the checkpoint limit
+    would delete them.
+    """
+    output_dir = Path(trainer.args.output_dir)
+    checkpoints = sorted(output_dir.glob(f"{PREFIX_CHECKPOINT_DIR}-*"), key=_step_of)
+    complete = [path for path in checkpoints if (path / CHECKPOINT_RECORD).is_file()]
+    resume = trainer.args.resume_from_checkpoint
+    if resume is None:
+        if checkpoints:
+            raise ConfigError(
+                f"training.output_dir: {output_dir} holds checkpoints of an earlier run ({checkpoints[-1].name}); "
+                "resume it with training.resume_from_checkpoint='last', or choose another output_dir"
+            )
+        return None
+    if resume == "last":
+        if not complete:
+            if checkpoints:
+                raise ConfigError(
+                    f"training.resume_from_checkpoint: no complete checkpoint in {output_dir} "
+                    f"({', '.join(p.name for p in checkpoints)}: saves that did not finish); remove them to start afresh"
+                )
+            return None
+        resume = str(complete[-1])
+    notes = compare_records(Path(resume), trainer.run_record, cfg.training.resume_ignore_changes)
+    if trainer.is_world_process_zero():
+        for note in notes:
+            print(f"resume: {note}", flush=True)
+    return resume
+
+
+def compare_records(checkpoint: Path, now: dict[str, Any], ignore_changes: bool) -> list[str]:
+    """Notes on resuming ``checkpoint`` with the run record ``now``; raises if what decides the run changed."""
+    try:
+        saved = json.loads((checkpoint / CHECKPOINT_RECORD).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        if not ignore_changes:
+            raise ConfigError(
+                f"training.resume_from_checkpoint: {checkpoint} is not a complete longalign checkpoint "
+                f"(no {CHECKPOINT_RECORD}); set training.resume_ignore_changes=true to resume from it anyway"
+            ) from None
+        return [f"{checkpoint} has no {CHECKPOINT_RECORD}; resuming without checking the run's settings"]
+    changed = [
+        f"{key} {saved['decides'].get(key)!r} -> {value!r}"
+        for key, value in now["decides"].items()
+        if saved["decides"].get(key) != value
+    ]
+    notes = []
+    if changed and not ignore_changes:
+        raise ConfigError(
+            f"training.resume_from_checkpoint: {checkpoint.name} was saved with other settings ({'; '.join(changed)}), "
+            "so the pack order or the loss would change; restore them, or set training.resume_ignore_changes=true"
+        )
+    if changed:
+        notes.append(f"resuming although these changed: {'; '.join(changed)}")
+    notes += [
+        f"{key} is {value!r} in the run file, but the restored optimizer and scheduler keep the checkpoint's "
+        f"{saved['kept'].get(key)!r}"
+        for key, value in now["kept"].items()
+        if saved.get("kept", {}).get(key) != value
+    ]
+    return notes
+
+
+def _step_of(path: Path) -> int:
+    step = path.name.removeprefix(f"{PREFIX_CHECKPOINT_DIR}-")
+    return int(step) if step.isdigit() else -1
 
 
 def preflight(cfg: Config, env_names: Sequence[str] = DEFAULT_ENV) -> PreflightReport:

@@ -14,19 +14,36 @@ gradient of ``sum(S) / D`` however the samples were split into packs, micro-batc
 
 Batches come from ``longalign.batching``; the loss from ``longalign.loss``. ``longalign.run`` builds the
 trainer from a run file.
+
+A checkpoint counts only once it is complete: after every rank has saved its part, the main process writes
+``checkpoint-N/longalign_checkpoint.json`` (the run record: what decides the pack order and the loss), and
+only then are old checkpoints rotated out.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 from transformers import Trainer
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from longalign.batching import PackCollator, PackDataLoader, pack_loader
 from longalign.loss import weighted_loss_sum
+
+CHECKPOINT_RECORD = "longalign_checkpoint.json"
+
+
+def write_json_atomically(path: Path, value: Any) -> None:
+    """Write ``value`` as JSON to ``path``: readers see the old file or the whole new one, never a part."""
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")
+    os.replace(partial, path)
 
 
 class LongAlignTrainer(Trainer):
@@ -49,6 +66,7 @@ class LongAlignTrainer(Trainer):
         loss_chunk_size: int = 4096,
         ignore_index: int = -100,
         pack_seed: int = 0,
+        run_record: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("data_collator", PackCollator(weighting=weighting, ignore_index=ignore_index))
@@ -57,6 +75,7 @@ class LongAlignTrainer(Trainer):
         self.loss_chunk_size = loss_chunk_size
         self.ignore_index = ignore_index
         self.pack_seed = pack_seed
+        self.run_record = run_record or {}
         self._window = {"tokens": 0.0, "samples": 0.0, "packs": 0.0, "steps": 0, "start": 0.0}
 
     # --- data ------------------------------------------------------------------------------------------
@@ -86,6 +105,31 @@ class LongAlignTrainer(Trainer):
         if packs is None:
             raise ValueError("LongAlignTrainer: evaluation needs an eval_dataset of packs")
         return self._pack_loader(packs, batch_size=self.args.per_device_eval_batch_size, shuffle=False)
+
+    # --- checkpoints -----------------------------------------------------------------------------------
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """Save as transformers does; then mark the checkpoint complete; then rotate old ones out."""
+        limit = self.args.save_total_limit
+        self.args.save_total_limit = None  # rotating first could leave no complete checkpoint after a kill
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+        self.accelerator.wait_for_everyone()  # every rank's part (optimizer shards, RNG states) is written
+        if not self.args.should_save:
+            return
+        run_dir = self._get_output_dir(trial=trial)
+        record = {"complete": True, "step": self.state.global_step, **self.run_record}
+        write_json_atomically(
+            Path(run_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}" / CHECKPOINT_RECORD, record
+        )
+        rotate_checkpoints(
+            output_dir=run_dir,
+            save_total_limit=limit,
+            best_model_checkpoint=self.state.best_model_checkpoint,
+            use_mtime=True,
+        )
 
     # --- loss ------------------------------------------------------------------------------------------
 

@@ -15,5 +15,6 @@ echo "== 2. pack into rows of $MAX_LEN tokens (best-fit decreasing, 1D cu_seqlen
 "$PY" scripts/sort_and_group.py --input "$OUT/tokenized" --output "$OUT/packed" --max-seq-len "$MAX_LEN"
 
 echo "== 3. train a tiny random Llama on the packs (CPU, sequence-level loss)"
+rm -rf "$OUT/run"  # a fresh run each time (a run refuses an output_dir that holds another run's checkpoints)
 "$PY" -m accelerate.commands.launch --num_processes 1 --cpu train.py --config configs/demo.toml \
     data.train_file="\"$OUT/packed\"" data.eval_file="\"$OUT/packed\"" training.disable_tqdm=true

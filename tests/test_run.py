@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import types
+
+import datasets
 import pytest
 import torch
-from conftest import DEMO, count_packs, demo_overrides, launch, needs_launcher, save_packs
+from conftest import DEMO, count_packs, demo_overrides, launch, needs_launcher, save_packs, tiny_model
 
 from longalign.config import ConfigError, load_config
-from longalign.run import model_dtype, training_arguments
+from longalign.run import check_vocabulary, model_dtype, resolve_packs, resume_point, training_arguments
+from longalign.trainer import CHECKPOINT_RECORD
 
 
 def test_training_arguments_are_built_from_the_config(tmp_path):
@@ -44,3 +49,115 @@ def test_two_rank_runs_exit_every_time(tmp_path):
         )  # fmt: skip
         assert result.returncode == 0, result.stderr[-3000:]
         assert (tmp_path / f"run{run}" / "trainer_state.json").exists()
+
+
+# --- resuming --------------------------------------------------------------------------------------------
+
+RECORD = {
+    "decides": {
+        "data": "3 packs, cu_seqlens 0a1b2c",
+        "training.gradient_accumulation_steps": 2,
+        "world size": 2,
+    },
+    "kept": {"training.learning_rate": 0.003},
+}
+
+
+def fake_trainer(output_dir, resume, record=RECORD):
+    args = types.SimpleNamespace(output_dir=str(output_dir), resume_from_checkpoint=resume)
+    return types.SimpleNamespace(args=args, run_record=record, is_world_process_zero=lambda: True)
+
+
+def checkpoint(output_dir, step, record=None):
+    path = output_dir / f"checkpoint-{step}"
+    path.mkdir(parents=True)
+    (path / "model.safetensors").write_bytes(b"")
+    if record is not None:
+        (path / CHECKPOINT_RECORD).write_text(json.dumps({"complete": True, "step": step, **record}))
+    return path
+
+
+def test_last_is_the_newest_complete_checkpoint(tmp_path):
+    cfg = load_config(DEMO)
+    checkpoint(tmp_path, 2, RECORD)
+    checkpoint(tmp_path, 10, RECORD)
+    checkpoint(tmp_path, 12)  # killed while saving: no record
+    assert resume_point(fake_trainer(tmp_path, "last"), cfg) == str(tmp_path / "checkpoint-10")
+    assert resume_point(fake_trainer(tmp_path / "new", "last"), cfg) is None  # nothing to resume: fresh
+
+
+def test_only_incomplete_checkpoints_are_not_resumed(tmp_path):
+    checkpoint(tmp_path, 4)
+    with pytest.raises(
+        ConfigError, match=r"no complete checkpoint .*\(checkpoint-4: saves that did not finish\)"
+    ):
+        resume_point(fake_trainer(tmp_path, "last"), load_config(DEMO))
+
+
+def test_a_fresh_run_does_not_reuse_an_output_dir_with_checkpoints(tmp_path):
+    checkpoint(tmp_path, 4, RECORD)
+    with pytest.raises(
+        ConfigError, match="holds checkpoints of an earlier run \\(checkpoint-4\\); resume it"
+    ):
+        resume_point(fake_trainer(tmp_path, None), load_config(DEMO))
+
+
+def test_a_resume_with_other_data_or_split_is_refused_naming_what_changed(tmp_path, capsys):
+    path = checkpoint(tmp_path, 4, RECORD)
+    changed = {
+        "decides": {**RECORD["decides"], "training.gradient_accumulation_steps": 4, "world size": 1},
+        "kept": {"training.learning_rate": 0.001},
+    }
+    with pytest.raises(ConfigError) as err:
+        resume_point(fake_trainer(tmp_path, "last", changed), load_config(DEMO))
+    message = str(err.value)
+    assert "training.gradient_accumulation_steps 2 -> 4; world size 2 -> 1" in message
+    assert "resume_ignore_changes=true" in message and "\n" not in message
+    forced = load_config(DEMO, ["training.resume_ignore_changes=true"])
+    assert resume_point(fake_trainer(tmp_path, str(path), changed), forced) == str(path)
+    out = capsys.readouterr().out
+    assert "resume: resuming although these changed: training.gradient_accumulation_steps 2 -> 4" in out
+    assert (
+        "training.learning_rate is 0.001 in the run file, but the restored optimizer and scheduler keep"
+        in out
+    )
+
+
+def test_a_checkpoint_without_a_record_needs_the_override(tmp_path):
+    path = checkpoint(tmp_path, 4)
+    with pytest.raises(ConfigError, match="not a complete longalign checkpoint"):
+        resume_point(fake_trainer(tmp_path, str(path)), load_config(DEMO))
+    forced = load_config(DEMO, ["training.resume_ignore_changes=true"])
+    assert resume_point(fake_trainer(tmp_path, str(path)), forced) == str(path)
+
+
+# --- what the packs must fit ------------------------------------------------------------------------------
+
+
+def test_packed_rows_must_fit_max_seq_len(tmp_path):
+    packs = save_packs(tmp_path / "packs", count_packs([[300, 212], [100]]))
+    cfg = load_config(DEMO, ["data.max_seq_len=512"])
+    args = training_arguments(cfg)
+    assert len(resolve_packs(str(packs), cfg, args)) == 2
+    small = load_config(DEMO, ["data.max_seq_len=500"])
+    with pytest.raises(ConfigError, match=r"rows of up to 512 tokens do not fit data.max_seq_len = 500"):
+        resolve_packs(str(packs), small, args)
+
+
+def test_labels_must_use_the_configured_ignore_index(tmp_path):
+    rows = count_packs([[4, 3]])
+    rows[0]["labels"][0] = -100
+    packs = save_packs(tmp_path / "packs", rows)
+    cfg = load_config(DEMO, ["loss.ignore_index=-1"])
+    with pytest.raises(ConfigError, match=r"loss.ignore_index: -1, but .* marks non-targets with -100"):
+        resolve_packs(str(packs), cfg, training_arguments(cfg))
+
+
+def test_token_ids_must_fit_the_model_vocabulary(tmp_path):
+    rows = count_packs([[4, 3]])
+    rows[0]["input_ids"][2] = 4096
+    packs = datasets.Dataset.from_list(rows)
+    model = tiny_model(vocab_size=4096)
+    with pytest.raises(ConfigError, match="token id 4096 is outside the model's vocabulary of 4096"):
+        check_vocabulary(model, packs, "packs")
+    check_vocabulary(tiny_model(vocab_size=4097), packs, "packs")

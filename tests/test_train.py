@@ -16,7 +16,7 @@ MAX_LEN = 1024
 pytestmark = pytest.mark.integration
 
 
-def train(tokenized: Path, output_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+def train(tokenized: Path, output_dir: Path, *overrides: str, status: int = 0) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable,
         str(ROOT / "train.py"),
@@ -30,7 +30,7 @@ def train(tokenized: Path, output_dir: Path, *overrides: str) -> subprocess.Comp
         *overrides,
     ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.returncode == status, result.stderr[-4000:]
     return result
 
 
@@ -55,6 +55,25 @@ def test_train_save_resume_reload(tokenized_sample, tmp_path):
     assert sorted(got) == [1, 2, 3, 4, 5, 6]
     for step in (5, 6):  # the same packs in the same order after the resume, so the same losses
         assert got[step] == pytest.approx(expected[step], rel=1e-4)
+    record = json.loads((resumed / "checkpoint-6" / "longalign_checkpoint.json").read_text())
+    assert record["complete"] and record["decides"]["loss.weighting"] == "sequence_level"
+
+    # A save cut short (no record) is not resumed from: the newest complete checkpoint is.
+    (resumed / "checkpoint-6" / "longalign_checkpoint.json").unlink()
+    result = train(
+        tokenized, resumed, "training.max_steps=7", constant, "training.resume_from_checkpoint='last'"
+    )
+    assert step_losses(resumed)[5] == pytest.approx(expected[5], rel=1e-4)  # steps 5 and 6 again, from 4
+    # Another weighting would change the loss of the resumed steps: refused in one line, naming it.
+    result = train(
+        tokenized, resumed, "training.max_steps=8", "training.resume_from_checkpoint='last'",
+        "loss.weighting='token_level'", status=2,
+    )  # fmt: skip
+    assert "loss.weighting 'sequence_level' -> 'token_level'" in result.stderr
+    assert "Traceback" not in result.stderr
+    # A fresh run would rotate the earlier run's checkpoints away: refused.
+    result = train(tokenized, resumed, "training.max_steps=2", status=2)
+    assert "holds checkpoints of an earlier run" in result.stderr
 
     log = json.loads((straight / "trainer_state.json").read_text())["log_history"]
     first = next(e for e in log if "loss" in e)
