@@ -32,15 +32,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-import pyarrow.compute as pc
 import torch
 import torch.distributed as dist
 
 from longalign.attention import resolve_backend
+from longalign.batching import packs_fingerprint
 from longalign.config import Config
+from longalign.redact import redact
 
-# Checked by default; ``*`` matches any suffix. Names with a secret-looking part are shown as a hash.
+# Checked by default; ``*`` matches any suffix. Secret values are shown as a hash (longalign.redact).
 DEFAULT_ENV = (
     "CUDA_VISIBLE_DEVICES",
     "NCCL_*",
@@ -49,7 +49,6 @@ DEFAULT_ENV = (
     "HF_HUB_OFFLINE",
     "HF_TOKEN",
 )
-SECRET_PARTS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
 PACKAGES = ("torch", "transformers", "accelerate", "datasets", "longalign")
 FLASH_PACKAGES = ("flash-attn", "flash-attn-4")
 
@@ -143,7 +142,8 @@ def config_check(cfg: Config) -> Check:
         for section, table in cfg.to_dict().items()
         for key, value in table.items()
     }
-    return Check("config", _digest(json.dumps(flat, sort_keys=True)), fix=FIX_CONFIG, detail=flat)
+    shown = {key: redact(key, value) for key, value in flat.items()}  # the detail may reach a message
+    return Check("config", _digest(json.dumps(flat, sort_keys=True)), fix=FIX_CONFIG, detail=shown)
 
 
 def tokenizer_check(tokenizer: Any) -> Check:
@@ -160,12 +160,7 @@ def tokenizer_check(tokenizer: Any) -> Check:
 
 def packs_check(name: str, packs: Any, key: str) -> Check:
     """Row count and a hash of the ``cu_seqlens`` column of a packed dataset (whatever its int width)."""
-    column = packs.data.column("cu_seqlens").combine_chunks()
-    digest = hashlib.sha256()
-    for part in (pc.list_value_length(column), pc.list_flatten(column)):
-        digest.update(part.to_numpy(zero_copy_only=False).astype(np.int64).tobytes())
-    value = f"{len(packs):,} packs, cu_seqlens {digest.hexdigest()[:12]}"
-    return Check(name, value, fix=FIX_DATASET.format(key=key))
+    return Check(name, packs_fingerprint(packs), fix=FIX_DATASET.format(key=key))
 
 
 def env_checks(names: Sequence[str], environ: Mapping[str, str]) -> list[Check]:
@@ -178,9 +173,9 @@ def env_checks(names: Sequence[str], environ: Mapping[str, str]) -> list[Check]:
     for name in names:
         if "*" in name:
             found = sorted(key for key in environ if fnmatch.fnmatchcase(key, name))
-            value = ", ".join(f"{key}={_shown(key, environ[key])}" for key in found) or "(none set)"
+            value = ", ".join(f"{key}={redact(key, environ[key])}" for key in found) or "(none set)"
         else:
-            value = _shown(name, environ[name]) if name in environ else "(unset)"
+            value = redact(name, environ[name]) if name in environ else "(unset)"
         checks.append(Check(f"env {name}", value, fix=FIX_ENV.format(name=name)))
     return checks
 
@@ -358,13 +353,6 @@ def _row(cells: tuple[str, str, str, str], widths: list[int]) -> str:
     return (
         "  ".join(cell.ljust(width) for cell, width in zip(cells[:3], widths, strict=True)) + "  " + cells[3]
     )
-
-
-def _shown(name: str, value: str) -> str:
-    """The value of env var ``name`` as the table shows it: secrets as a short hash, never in clear."""
-    if any(part in name.upper() for part in SECRET_PARTS):
-        return f"sha256:{_digest(value, 8)}"
-    return value
 
 
 def _digest(text: str, length: int = 12) -> str:

@@ -20,7 +20,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -34,7 +33,9 @@ import torch
 import torch.distributed as dist
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
+from longalign.artifacts import staging_dir
 from longalign.config import Config, load_config
+from longalign.redact import redact_override
 from longalign.run import build_trainer, load_tokenizer
 
 _LENGTH = re.compile(r"(\d+)([km]?)", re.IGNORECASE)
@@ -443,7 +444,8 @@ def ladder(request: ProbeRequest, cfg: Config, say: Callable[[str], None]) -> in
         f"probe of {request.config}: {ranks.world} rank(s), {per_rank} pack(s) of each length per rank and step"
     )
     ranks.say(format_row(None))
-    with tempfile.TemporaryDirectory(prefix="longalign-probe-") as tmp:
+    # The steps' files live next to the report: a killed probe's are removed by the next one there.
+    with staging_dir(request.output.resolve().parent, request.output.name) as tmp:
         for length in request.lengths:
             pack = synthetic_pack(length, vocab_size=vocab_size, seed=request.seed)
             work = Path(tmp) / format_length(length)
@@ -489,7 +491,7 @@ def _report(
         say(f"(traceback in {request.output}; --trace prints it)")
     summary = {
         "config": str(request.config),
-        "overrides": list(request.overrides),
+        "overrides": [redact_override(item) for item in request.overrides],
         "lengths": request.lengths,
         "packs_per_rank": entries[0]["packs_per_rank"],
         "world_size": world,

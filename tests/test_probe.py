@@ -163,8 +163,10 @@ def probe(tmp_path: Path, name: str, *args: str) -> tuple[subprocess.CompletedPr
 
 @pytest.mark.integration
 def test_ladder_finds_a_fitting_length_and_stops_at_a_memory_cap(tmp_path):
-    result, report = probe(tmp_path, "free", "--lengths", "512,8k")
+    result, report = probe(tmp_path, "free", "--lengths", "512,8k", "training.hub_token='hf_probe_secret'")
     assert result.returncode == 0, result.stdout + result.stderr
+    assert "hf_probe_secret" not in (tmp_path / "free" / "probe.json").read_text()  # overrides are redacted
+    assert [p.name for p in (tmp_path / "free").iterdir()] == ["probe.json"]  # the steps' files are gone
     assert "largest length that fits: 8k (8,192 tokens per pack)" in result.stdout
     small, large = report["results"]
     assert small["status"] == large["status"] == FITS
