@@ -25,6 +25,7 @@ import re
 import tempfile
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,7 @@ SHAREGPT_ROLES = {
 }
 IGNORE_INDEX = -100
 MAX_REPORTED_ERRORS = 20
+MAX_MESSAGE_CHARS = 300  # a drop message quotes the record; a 10k-character role name is clipped
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
@@ -66,6 +68,9 @@ class RecordError(ValueError):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
+
+    def __reduce__(self):  # tokenizer processes send it back to the parent pickled
+        return type(self), (self.reason, str(self))
 
 
 class TemplateError(ValueError):
@@ -127,6 +132,10 @@ def _message(item: Any, index: int, role_key: str, content_key: str, aliases: di
         )
     role = item[role_key]
     allowed = aliases if aliases is not None else {r: r for r in ROLES}
+    if not isinstance(role, str):
+        raise RecordError(
+            "bad_role", f"message {index} has a role of type {type(role).__name__}, expected a string"
+        )
     if role not in allowed:
         expected = "/".join(allowed)
         raise RecordError("bad_role", f"message {index} has role {role!r}, expected one of {expected}")
@@ -135,11 +144,30 @@ def _message(item: Any, index: int, role_key: str, content_key: str, aliases: di
 
 def _text(value: Any, where: str) -> str:
     """A message's text; OpenAI-style lists of ``{"type": "text", "text": ...}`` parts are joined."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in value):
-        return "".join(str(p.get("text", "")) for p in value)
-    raise RecordError("bad_message", f"{where}: expected text, got {type(value).__name__}")
+    if isinstance(value, list):
+        value = "".join(_text_part(part, f"{where} part {j}") for j, part in enumerate(value))
+    if not isinstance(value, str):
+        raise RecordError("bad_message", f"{where}: expected text, got {type(value).__name__}")
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as err:  # JSON can spell a lone surrogate; UTF-8 cannot
+            raise RecordError(
+                "bad_message",
+                f"{where}: lone surrogate \\u{ord(value[err.start]):04x} at character {err.start}",
+            ) from None
+    return value
+
+
+def _text_part(part: Any, where: str) -> str:
+    if not isinstance(part, dict) or part.get("type") != "text":
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        raise RecordError("bad_message", f"{where}: only text parts are read, got {kind!r}")
+    if not isinstance(part.get("text"), str):
+        raise RecordError(
+            "bad_message", f"{where}: 'text' must be a string, got {type(part.get('text')).__name__}"
+        )
+    return part["text"]
 
 
 def has_generation_markers(tokenizer) -> bool:
@@ -307,23 +335,50 @@ def truncate(
     return input_ids, labels
 
 
+def clean_message(message: str) -> str:
+    """A drop message fit for Arrow and ``report.json``: valid UTF-8, at most ~``MAX_MESSAGE_CHARS`` long.
+
+    A lone surrogate, which JSON can spell and a message may quote (a key, a role), is written as its
+    escape: U+D800 becomes the six characters ``\\ud800``.
+    """
+    if len(message) > MAX_MESSAGE_CHARS:
+        cut = len(message) - MAX_MESSAGE_CHARS
+        message = f"{message[:MAX_MESSAGE_CHARS]}... ({cut} more characters)"
+    return message.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+@contextmanager
+def _faults(reason: str, what: str) -> Iterator[None]:
+    """Turn any exception that the record causes inside the block into a drop for ``reason``.
+
+    A ``TemplateError`` blames the template (the run stops) and a ``MemoryError`` the machine, so both
+    pass through; a ``RecordError`` already carries its reason.
+    """
+    try:
+        yield
+    except (RecordError, TemplateError, MemoryError):
+        raise
+    except Exception as err:
+        raise RecordError(reason, f"{what}: {type(err).__name__}: {err}") from None
+
+
 def process_line(text: str, tokenizer, *, max_seq_len: int, truncation: str) -> dict[str, Any]:
-    """One JSONL line -> a sample, or a drop with its reason and message (never raises for bad input)."""
+    """One JSONL line -> a sample, or a drop with its reason and message; never raises for bad input.
+
+    Only a ``TemplateError`` (the template, not the line, is at fault) escapes.
+    """
     row: dict[str, Any] = {"input_ids": [], "labels": [], "reason": "", "error": "", "truncated": False}
     try:
         if not text.strip():
             raise RecordError("empty_line", "empty line")
-        try:
+        # json raises ValueError for bad syntax or a >4300-digit integer, RecursionError for deep nesting
+        with _faults("malformed_json", "not valid JSON"):
             record = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise RecordError("malformed_json", f"not valid JSON: {err}") from None
-        messages = parse_record(record)
-        try:
+        with _faults("unknown_format", "record not understood"):
+            messages = parse_record(record)
+        # the template itself may refuse the conversation (e.g. roles must alternate)
+        with _faults("template_error", "chat template failed"):
             input_ids, labels = tokenize_conversation(tokenizer, messages)
-        except TemplateError:
-            raise
-        except Exception as err:  # the template itself refused the conversation (e.g. roles must alternate)
-            raise RecordError("template_error", f"chat template failed: {err}") from None
         if all(t == IGNORE_INDEX for t in labels):
             raise RecordError("no_targets", "no assistant token survives tokenization")
         cut = truncate(input_ids, labels, max_seq_len, truncation)
@@ -335,7 +390,7 @@ def process_line(text: str, tokenizer, *, max_seq_len: int, truncation: str) -> 
             )
         row.update(input_ids=cut[0], labels=cut[1], truncated=len(cut[0]) < len(input_ids))
     except RecordError as err:
-        row.update(reason=err.reason, error=str(err))
+        row.update(reason=err.reason, error=clean_message(str(err)))
     return row
 
 
@@ -365,6 +420,8 @@ def read_lines(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
                 raise InputError(
                     f"{path}: line {number}: not valid UTF-8 ({err.reason} at byte {err.start})"
                 ) from None
+            if number == 1:
+                text = text.removeprefix("\ufeff")  # a byte order mark some editors write
             yield {"line": number, "text": text.rstrip("\r\n")}
 
 

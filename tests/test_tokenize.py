@@ -19,9 +19,11 @@ from longalign.tokenize import (
     RecordError,
     TemplateError,
     check_chat_template,
+    clean_message,
     has_generation_markers,
     parse_record,
     pre_tokenize,
+    process_line,
     tokenize_conversation,
     truncate,
 )
@@ -318,3 +320,78 @@ def test_parallel_tokenization_matches_serial(tmp_path, base_tokenizer):
     assert one == two
     a, b = (datasets.load_from_disk(str(tmp_path / name)) for name in ("one", "two"))
     assert a.to_dict() == b.to_dict()
+
+
+# --- hostile lines -------------------------------------------------------------------------------------
+
+
+def line_of(record) -> str:
+    return record if isinstance(record, str) else json.dumps(record)
+
+
+@pytest.mark.parametrize(
+    "line, reason, words",
+    [
+        (
+            {"messages": [{"role": ["user"], "content": "x"}, {"role": "assistant", "content": "y"}]},
+            "bad_role",
+            "message 0 has a role of type list",
+        ),
+        ({"conversations": [{"from": {"a": 1}, "value": "x"}]}, "bad_role", "of type dict"),
+        ('{"messages": [], "id": ' + "7" * 5000 + "}", "malformed_json", "4300 digits"),
+        ("[" * 1000 + "]" * 1000, "malformed_json", "recursion"),
+        ("[" * 100_000, "malformed_json", "recursion"),
+        ('{"\\ud800": 1}', "unknown_format", "keys: \\ud800"),
+        (
+            '{"messages": [{"role": "user", "content": "a\\udfff"}, {"role": "assistant", "content": "b"}]}',
+            "bad_message",
+            "message 0 content: lone surrogate \\udfff",
+        ),
+        (
+            {"messages": [{"role": "r" * 10_000, "content": "x"}, {"role": "assistant", "content": "y"}]},
+            "bad_role",
+            "rrrr...",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "text", "text": None}]},
+                    GOOD["messages"][1],
+                ]
+            },
+            "bad_message",
+            "message 0 content part 0: 'text' must be a string, got NoneType",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": 42}]}, GOOD["messages"][1]]},
+            "bad_message",
+            "got int",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text"}]}, GOOD["messages"][1]]},
+            "bad_message",
+            "message 0 content part 0: 'text' must be a string",
+        ),
+        ({"prompt": "hi", "response": [{"type": "image_url", "url": "x"}]}, "bad_message", "response part 0"),
+    ],
+)
+def test_hostile_lines_are_drops_with_a_reason(base_tokenizer, line, reason, words):
+    row = process_line(line_of(line), base_tokenizer, max_seq_len=64, truncation="right")
+    assert (row["reason"], row["input_ids"]) == (reason, [])
+    assert words in row["error"]
+    assert len(row["error"]) <= 500
+    row["error"].encode("utf-8")  # Arrow stores the message: it must be valid UTF-8
+
+
+def test_drop_messages_are_clipped_and_valid_utf8():
+    assert clean_message("fine") == "fine"
+    assert clean_message("key '\ud800'") == "key '\\ud800'"
+    long = clean_message("x" * 5000)
+    assert long.startswith("x" * 300) and long.endswith("(4700 more characters)")
+
+
+def test_bom_at_file_start_is_not_a_bad_line(tmp_path, base_tokenizer):
+    src = tmp_path / "bom.jsonl"
+    src.write_bytes(b"\xef\xbb\xbf" + json.dumps(GOOD).encode() + b"\n" + json.dumps(GOOD).encode() + b"\n")
+    report = pre_tokenize(src, base_tokenizer, tmp_path / "out", max_seq_len=64)
+    assert (report["samples_kept"], report["dropped_total"]) == (2, 0)
