@@ -395,14 +395,17 @@ def process_line(text: str, tokenizer, *, max_seq_len: int, truncation: str) -> 
 
 
 def _tokenize_batch(
-    batch: dict[str, list], *, tokenizer, max_seq_len: int, truncation: str
+    batch: dict[str, list], *, tokenizer, max_seq_len: int, truncation: str, strict: bool, source: str
 ) -> dict[str, list]:
     rows = []
     for text, line in zip(batch["text"], batch["line"], strict=True):
         try:
-            rows.append(process_line(text, tokenizer, max_seq_len=max_seq_len, truncation=truncation))
+            row = process_line(text, tokenizer, max_seq_len=max_seq_len, truncation=truncation)
         except TemplateError as err:  # the template, not the line, is at fault: stop, naming where it showed
             raise TemplateError(f"line {line}: {err}") from None
+        if strict and row["reason"] in BAD_INPUT:  # stop here rather than tokenize the rest of the file
+            raise RecordError(row["reason"], f"{source}: line {line}: {row['error']}")
+        rows.append(row)
     out = {key: [r[key] for r in rows] for key in ("input_ids", "labels", "reason", "error", "truncated")}
     out["length"] = [len(r["input_ids"]) for r in rows]
     out["num_targets"] = [sum(t != IGNORE_INDEX for t in r["labels"]) for r in rows]
@@ -485,23 +488,29 @@ def pre_tokenize(
             if isinstance(err.__cause__, InputError):  # raised by read_lines, wrapped by datasets
                 raise err.__cause__ from None
             raise
-        mapped = raw.map(
-            _tokenize_batch,
-            fn_kwargs={"tokenizer": tokenizer, "max_seq_len": max_seq_len, "truncation": truncation},
-            batched=True,
-            batch_size=64,
-            num_proc=num_proc if num_proc > 1 else None,
-            remove_columns=["text"],
-            features=_MAPPED_FEATURES,
-            desc="pre-tokenize",
-        )
+        fn_kwargs = {
+            "tokenizer": tokenizer,
+            "max_seq_len": max_seq_len,
+            "truncation": truncation,
+            "strict": strict,
+            "source": str(input_path),
+        }
+        try:
+            mapped = raw.map(
+                _tokenize_batch,
+                fn_kwargs=fn_kwargs,
+                batched=True,
+                batch_size=64,
+                num_proc=num_proc if num_proc > 1 else None,
+                remove_columns=["text"],
+                features=_MAPPED_FEATURES,
+                desc="pre-tokenize",
+            )
+        except (RecordError, TemplateError) as err:
+            # From a tokenizer process it arrives chained to the worker's traceback: the message says it all.
+            raise err from None
         report = _report(mapped, input_path, max_seq_len, truncation)
         reasons = np.asarray(mapped["reason"])
-        if strict:
-            bad = np.flatnonzero(np.isin(reasons, BAD_INPUT))
-            if bad.size:
-                row = mapped[int(bad[0])]
-                raise RecordError(row["reason"], f"{input_path}: line {row['line']}: {row['error']}")
         kept = mapped.select(np.flatnonzero(reasons == "")).remove_columns(["reason", "error", "truncated"])
         with atomic_output_dir(output_dir) as staging:
             kept.save_to_disk(str(staging))

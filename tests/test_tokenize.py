@@ -395,3 +395,23 @@ def test_bom_at_file_start_is_not_a_bad_line(tmp_path, base_tokenizer):
     src.write_bytes(b"\xef\xbb\xbf" + json.dumps(GOOD).encode() + b"\n" + json.dumps(GOOD).encode() + b"\n")
     report = pre_tokenize(src, base_tokenizer, tmp_path / "out", max_seq_len=64)
     assert (report["samples_kept"], report["dropped_total"]) == (2, 0)
+
+
+@pytest.mark.parametrize("num_proc", [1, 2])
+def test_strict_stops_before_tokenizing_the_rest(tmp_path, base_tokenizer, monkeypatch, num_proc):
+    """The first bad line ends the run at once, as the same one-line RecordError in every process count."""
+    import longalign.tokenize as stage
+
+    lines_seen = []
+    real = stage.process_line
+    monkeypatch.setattr(
+        stage, "process_line", lambda text, *a, **k: lines_seen.append(text) or real(text, *a, **k)
+    )
+    src = write_jsonl(tmp_path / "in.jsonl", ["{oops"] + [GOOD] * 300)
+    with pytest.raises(RecordError) as err:
+        pre_tokenize(src, base_tokenizer, tmp_path / "out", max_seq_len=64, strict=True, num_proc=num_proc)
+    assert str(err.value).startswith(f"{src}: line 1: not valid JSON")
+    assert err.value.reason == "malformed_json" and err.value.__cause__ is None
+    if num_proc == 1:
+        assert lines_seen == ["{oops"]  # no line after the bad one was tokenized
+    assert not (tmp_path / "out").exists()
