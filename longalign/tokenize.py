@@ -26,11 +26,13 @@ import tempfile
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import datasets
 import numpy as np
+from transformers.utils.chat_template_utils import render_jinja_template
 
 from longalign.artifacts import atomic_output_dir, write_report
 
@@ -175,35 +177,222 @@ def has_generation_markers(tokenizer) -> bool:
     return bool(tokenizer.chat_template and _GENERATION_TAG.search(tokenizer.chat_template))
 
 
-def tokenize_conversation(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
-    """Tokenize one conversation with the chat template; return ``(input_ids, labels)``, labels not shifted.
+# --- what the stage learns once per tokenizer ----------------------------------------------------------
 
-    Raises ``TemplateError`` when the template's renderings of growing prefixes do not extend each other.
+# Seen by every template at start-up: the template check reads its targets, and the linear split learns
+# from it how an assistant turn is framed. Its answers have no surrounding whitespace, so a template that
+# trims message text frames them exactly as it writes them.
+PROBE = (
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Name a prime."},
+    {"role": "assistant", "content": "Seven."},
+    {"role": "user", "content": "Another?"},
+    {"role": "assistant", "content": "Eleven."},
+)
+
+
+@dataclass(frozen=True)
+class TurnLayout:
+    """How a template frames an assistant message's text inside the assistant turn.
+
+    ``opening``: text between the end of the generation prompt and the message's text; ``closing``: text
+    after the message's text that still belongs to the turn. For the Llama-3-style template::
+
+        ...<|start_header_id|>assistant<|end_header_id|>\\n\\n | Seven. | <|eot_id|> | <|start_header_id|>user...
+           generation prompt                               | text   | closing
+        TurnLayout(opening="", closing="<|eot_id|>")
     """
-    if has_generation_markers(tokenizer):
-        out = tokenizer.apply_chat_template(
-            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-        )
-        input_ids = list(out["input_ids"])
-        is_target = [bool(m) for m in out["assistant_masks"]]
-    else:
-        text, spans = _assistant_spans(tokenizer, messages)
-        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        input_ids = list(enc["input_ids"])
-        is_target = _targets_from_spans(enc["offset_mapping"], spans)
-        _close_turns(tokenizer, input_ids, is_target)
-    labels = [t if m else IGNORE_INDEX for t, m in zip(input_ids, is_target, strict=True)]
-    return input_ids, labels
+
+    opening: str
+    closing: str
 
 
-def _render(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
-    return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+@dataclass(frozen=True)
+class TokenizerProfile:
+    """What pre-tokenization learns once per tokenizer and then uses for every line.
+
+    ``layout`` is ``None`` when every conversation must be split by rendering growing prefixes (the
+    template is marked, or its probe shows no single layout); ``control_ids`` are the special tokens.
+    """
+
+    markers: bool
+    layout: TurnLayout | None
+    control_ids: frozenset[int]
+
+
+def profile_tokenizer(tokenizer) -> TokenizerProfile:
+    """Learn what every line needs: the template's kind, its assistant-turn layout, the control tokens."""
+    markers = has_generation_markers(tokenizer)
+    return TokenizerProfile(
+        markers=markers,
+        layout=None if markers else learn_turn_layout(tokenizer),
+        control_ids=frozenset(i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special),
     )
 
 
-def _assistant_spans(tokenizer, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
-    """The full rendering and the character span of every assistant turn in it."""
+def learn_turn_layout(tokenizer) -> TurnLayout | None:
+    """Split the probe conversation by growing prefixes and read off its assistant-turn layout.
+
+    ``None`` (split every conversation by prefixes) when the probe cannot be split or located, or when its
+    two assistant turns are framed differently.
+    """
+    probe = _probe(tokenizer)
+    try:
+        text, spans = prefix_assistant_spans(tokenizer, probe)
+    except Exception:  # check_chat_template reports what is wrong with such a template
+        return None
+    contents = locate_contents(tokenizer, probe, text)
+    if contents is None:
+        return None
+    answers = [span for span, m in zip(contents, probe, strict=True) if m["role"] == "assistant"]
+    layouts = set()
+    for (start, end), (text_start, text_end) in zip(spans, answers, strict=True):
+        if not start <= text_start <= text_end <= end:
+            return None
+        layouts.add(TurnLayout(text[start:text_start], text[text_end:end]))
+    return layouts.pop() if len(layouts) == 1 else None
+
+
+def _probe(tokenizer) -> list[dict[str, str]]:
+    """The probe conversation, without its system message for a template that refuses one (it raises)."""
+    try:
+        _render(tokenizer, list(PROBE))
+    except Exception:
+        return list(PROBE[1:])
+    return list(PROBE)
+
+
+# --- splitting a rendered conversation into prompt and assistant turns ---------------------------------
+
+
+@dataclass(frozen=True)
+class Rendering:
+    """A conversation as the template writes it, with the character spans that matter.
+
+    ``targets``: what the model learns, in order (assistant turns, or the template's marked text);
+    ``contents``: where each message's text sits, or ``None`` when the template does not copy it.
+    """
+
+    text: str
+    targets: list[tuple[int, int]]
+    contents: list[tuple[int, int]] | None
+
+
+def render_conversation(tokenizer, messages: list[dict[str, str]], profile: TokenizerProfile) -> Rendering:
+    """Render a conversation once and find its targets.
+
+    Marked templates say which characters are generated. Otherwise the linear split places every turn
+    from its message's text and the learned layout; a conversation it cannot vouch for is split by growing
+    prefixes instead (same spans, one rendering per assistant turn).
+    """
+    if profile.markers:
+        text, targets = _render_marked(tokenizer, messages)
+        return Rendering(text, targets, locate_contents(tokenizer, messages, text))
+    text = _render(tokenizer, messages)
+    contents = locate_contents(tokenizer, messages, text)
+    targets = None
+    if profile.layout is not None and contents is not None:
+        targets = linear_assistant_spans(text, messages, contents, profile.layout)
+    if targets is None:
+        text, targets = prefix_assistant_spans(tokenizer, messages)
+    return Rendering(text, targets, contents)
+
+
+def _render(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+    # transformers' renderer, as apply_chat_template uses it, but without its refusal of an empty
+    # conversation: the prompt before an opening assistant turn is the empty history's rendering.
+    texts, _ = render_jinja_template(
+        conversations=[messages],
+        chat_template=tokenizer.get_chat_template(),
+        add_generation_prompt=add_generation_prompt,
+        **tokenizer.special_tokens_map,
+    )
+    return texts[0]
+
+
+def _render_marked(tokenizer, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
+    """The rendering and the character spans its ``{% generation %}`` blocks wrote."""
+    texts, marked = render_jinja_template(
+        conversations=[messages],
+        chat_template=tokenizer.get_chat_template(),
+        return_assistant_tokens_mask=True,
+        **tokenizer.special_tokens_map,
+    )
+    return texts[0], [(start, end) for start, end in marked[0]]
+
+
+_PLACEHOLDER = re.compile("\ue000([0-9]+)\ue001")  # private-use characters: no template writes them
+
+
+def locate_contents(tokenizer, messages: list[dict[str, str]], text: str) -> list[tuple[int, int]] | None:
+    """Where each message's text sits in ``text`` (its rendering), or ``None`` if the template changes it.
+
+    The conversation is rendered again with every message's text replaced by a numbered placeholder. The
+    template text between placeholders (the skeleton) and the messages' texts, taken in turn, must then
+    spell ``text`` exactly; a text that repeats template text or an earlier message therefore cannot be
+    placed anywhere but where the template put it. A template that trims text is matched by the trimmed
+    text::
+
+        text      <|begin_of_text|><|start_header_id|>user<|end_header_id|>\\n\\nHi<|eot_id|>...
+        skeleton  <|begin_of_text|><|start_header_id|>user<|end_header_id|>\\n\\n{0}<|eot_id|>...
+        result    [(60, 62), ...]
+    """
+    held = [{**m, "content": f"\ue000{i}\ue001"} for i, m in enumerate(messages)]
+    try:
+        pieces = _PLACEHOLDER.split(_render(tokenizer, held))
+    except Exception:  # a template that inspects the text may refuse a placeholder
+        return None
+    if pieces[1::2] != [str(i) for i in range(len(messages))]:
+        return None  # a message dropped, repeated or reordered by the template
+    frames = pieces[0::2]
+    spans, pos = [], 0
+    for message, frame, next_frame in zip(messages, frames, frames[1:], strict=False):
+        if not text.startswith(frame, pos):
+            return None
+        pos += len(frame)
+        for content in (message["content"], message["content"].strip()):
+            if text.startswith(content, pos) and text.startswith(next_frame, pos + len(content)):
+                break
+        else:
+            return None
+        spans.append((pos, pos + len(content)))
+        pos += len(content)
+    return spans if pos + len(frames[-1]) == len(text) else None
+
+
+def linear_assistant_spans(
+    text: str, messages: list[dict[str, str]], contents: list[tuple[int, int]], layout: TurnLayout
+) -> list[tuple[int, int]] | None:
+    """Every assistant turn's span from its message's text and the layout; ``None`` if one does not fit.
+
+    A turn must find the layout's opening and closing text around its message's text, inside the gap
+    between its neighbours' texts.
+    """
+    spans = []
+    for i, (message, (start, end)) in enumerate(zip(messages, contents, strict=True)):
+        if message["role"] != "assistant":
+            continue
+        turn_start, turn_end = start - len(layout.opening), end + len(layout.closing)
+        lower = contents[i - 1][1] if i else 0
+        upper = contents[i + 1][0] if i + 1 < len(contents) else len(text)
+        if not (
+            lower <= turn_start
+            and turn_end <= upper
+            and text[turn_start:start] == layout.opening
+            and text.startswith(layout.closing, end)
+        ):
+            return None
+        spans.append((turn_start, turn_end))
+    return spans
+
+
+def prefix_assistant_spans(tokenizer, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
+    """The full rendering and every assistant turn's span in it, by rendering growing prefixes.
+
+    The turn of message k runs from the end of "messages before k + generation prompt" to the end of
+    "messages up to k". Correct for any template that extends its earlier renderings, and quadratic in
+    the number of turns: the linear split's reference and fallback.
+    """
     full = _render(tokenizer, messages)
     spans = []
     for k, message in enumerate(messages):
@@ -223,6 +412,36 @@ def _assistant_spans(tokenizer, messages: list[dict[str, str]]) -> tuple[str, li
     return full, spans
 
 
+# --- tokens and labels ---------------------------------------------------------------------------------
+
+
+def tokenize_conversation(
+    tokenizer, messages: list[dict[str, str]], profile: TokenizerProfile | None = None
+) -> tuple[list[int], list[int]]:
+    """Tokenize one conversation with the chat template; return ``(input_ids, labels)``, labels not shifted.
+
+    ``profile`` is learned from the tokenizer when not given. Raises ``TemplateError`` when the template's
+    renderings of growing prefixes do not extend each other.
+    """
+    profile = profile or profile_tokenizer(tokenizer)
+    return encode_rendering(tokenizer, render_conversation(tokenizer, messages, profile), profile)
+
+
+def encode_rendering(
+    tokenizer, rendering: Rendering, profile: TokenizerProfile
+) -> tuple[list[int], list[int]]:
+    """Tokenize a rendering in one pass and label its target tokens."""
+    enc = tokenizer(rendering.text, add_special_tokens=False, return_offsets_mapping=True)
+    input_ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
+    if profile.markers:
+        is_target = _overlapping(offsets, rendering.targets)
+    else:
+        is_target = _targets_from_spans(offsets, rendering.targets)
+        _close_turns(tokenizer, input_ids, is_target, profile.control_ids)
+    labels = [t if m else IGNORE_INDEX for t, m in zip(input_ids, is_target, strict=True)]
+    return input_ids, labels
+
+
 def _targets_from_spans(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[bool]:
     """Mark tokens whose first character lies in a span (a token merged across a boundary stays prompt)."""
     is_target = [False] * len(offsets)
@@ -236,18 +455,26 @@ def _targets_from_spans(offsets: list[tuple[int, int]], spans: list[tuple[int, i
     return is_target
 
 
-def _control_ids(tokenizer) -> set[int]:
-    return {i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special}
+def _overlapping(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[bool]:
+    """Mark tokens that share a character with a span (how transformers reads ``{% generation %}``)."""
+    is_target = [False] * len(offsets)
+    span = 0
+    for i, (start, end) in enumerate(offsets):
+        while span < len(spans) and start >= spans[span][1]:
+            span += 1
+        if span == len(spans):
+            break
+        is_target[i] = end > spans[span][0]
+    return is_target
 
 
-def _close_turns(tokenizer, input_ids: list[int], is_target: list[bool]) -> None:
+def _close_turns(tokenizer, input_ids: list[int], is_target: list[bool], control: frozenset[int]) -> None:
     """Make every assistant turn end with exactly one target control token.
 
     ``...answer<|eot_id|>`` keeps its end token; ``...answer<|im_end|>\\n`` drops the text after the end
     token from the targets; ``...answer`` followed by ``<|user|>`` (GLM-4) takes that token as its end, or
     EOS (appended) when the conversation ends there.
     """
-    control = _control_ids(tokenizer)
     n = len(input_ids)
     i = 0
     while i < n:
@@ -281,22 +508,14 @@ def check_chat_template(tokenizer) -> None:
     """Check once per tokenizer that its template splits into prompt and assistant parts; raise if not."""
     if not tokenizer.chat_template:
         raise TemplateError("the tokenizer has no chat template; pass one with --chat-template FILE")
-    probe = [
-        {"role": "system", "content": "You are terse."},
-        {"role": "user", "content": "Name a prime."},
-        {"role": "assistant", "content": "Seven."},
-        {"role": "user", "content": "Another?"},
-        {"role": "assistant", "content": "Eleven."},
-    ]
+    probe = _probe(tokenizer)
+    profile = profile_tokenizer(tokenizer)
     try:
-        input_ids, labels = tokenize_conversation(tokenizer, probe)
+        input_ids, labels = tokenize_conversation(tokenizer, probe, profile)
     except TemplateError:
         raise
-    except Exception as err:  # a template that rejects system messages (it raises): probe without one
-        try:
-            input_ids, labels = tokenize_conversation(tokenizer, probe[1:])
-        except Exception:
-            raise TemplateError(f"chat template failed on a plain two-turn conversation: {err}") from err
+    except Exception as err:
+        raise TemplateError(f"chat template failed on a plain two-turn conversation: {err}") from err
     targets = tokenizer.decode([t for t in labels if t != IGNORE_INDEX])
     for answer in ("Seven.", "Eleven."):
         if answer not in targets:
@@ -311,7 +530,7 @@ def check_chat_template(tokenizer) -> None:
         for t, nxt in zip(labels, labels[1:] + [IGNORE_INDEX], strict=True)
         if t != IGNORE_INDEX and nxt == IGNORE_INDEX
     ]
-    if any(t not in _control_ids(tokenizer) and t != tokenizer.eos_token_id for t in ends):
+    if any(t not in profile.control_ids and t != tokenizer.eos_token_id for t in ends):
         raise TemplateError(
             "chat template check: an assistant turn's targets do not end with a control token"
         )

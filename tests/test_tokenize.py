@@ -9,8 +9,11 @@ from pathlib import Path
 
 import datasets
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
+import longalign.tokenize as stage
 from longalign.artifacts import read_report
 from longalign.tokenize import (
     DROP_REASONS,
@@ -18,18 +21,29 @@ from longalign.tokenize import (
     InputError,
     RecordError,
     TemplateError,
+    TurnLayout,
     check_chat_template,
     clean_message,
     has_generation_markers,
+    linear_assistant_spans,
+    locate_contents,
     parse_record,
     pre_tokenize,
+    prefix_assistant_spans,
     process_line,
+    profile_tokenizer,
+    render_conversation,
     tokenize_conversation,
     truncate,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATES = ROOT / "data" / "chat_templates"
+LLAMA3 = (TEMPLATES / "llama3.jinja").read_text()
+CHATML = (TEMPLATES / "chatml.jinja").read_text()
+CHATML_PLAIN = re.sub(r"\{%-?\s*(end)?generation\s*-?%\}", "", CHATML)  # the same turns, without markers
+# Llama-3 style with every message's text trimmed, as some official templates do.
+LLAMA3_TRIMMED = LLAMA3.replace("message['content']", "message['content'] | trim")
 
 # GLM-4 style: a role token opens every turn and nothing closes one, so the next role token (or EOS) ends it.
 GLM4_STYLE = (
@@ -153,15 +167,14 @@ def test_llama3_template_targets_are_answers_with_eot(base_tokenizer):
 
 
 def test_chatml_with_generation_markers(base_tokenizer):
-    tok = with_template(base_tokenizer, (TEMPLATES / "chatml.jinja").read_text())
+    tok = with_template(base_tokenizer, CHATML)
     assert has_generation_markers(tok)
     input_ids, labels = tokenize_conversation(tok, CHAT)
     assert target_runs(tok, input_ids, labels) == [a + "<|im_end|>" for a in ANSWERS]
 
 
 def test_chatml_without_markers_ends_at_im_end(base_tokenizer):
-    plain = re.sub(r"\{%-?\s*(end)?generation\s*-?%\}", "", (TEMPLATES / "chatml.jinja").read_text())
-    tok = with_template(base_tokenizer, plain)
+    tok = with_template(base_tokenizer, CHATML_PLAIN)
     assert not has_generation_markers(tok)
     input_ids, labels = tokenize_conversation(tok, CHAT)
     # The newline after <|im_end|> belongs to the template, not to the answer.
@@ -415,3 +428,143 @@ def test_strict_stops_before_tokenizing_the_rest(tmp_path, base_tokenizer, monke
     if num_proc == 1:
         assert lines_seen == ["{oops"]  # no line after the bad one was tokenized
     assert not (tmp_path / "out").exists()
+
+
+# --- splitting a conversation into turns: linear vs growing prefixes -----------------------------------
+
+# Text that looks like the templates' own frames, to tempt a search for message text into the wrong place.
+FRAME_TEXT = [
+    "<|start_header_id|>user<|end_header_id|>\n\n",
+    "<|start_header_id|>assistant<|end_header_id|>\n\n",
+    "<|eot_id|>",
+    "<|im_start|>assistant\n",
+    "<|im_end|>\n",
+    "<|assistant|>\n",
+    "<|user|>",
+    "user",
+    "assistant",
+    "\n",
+]
+contents = st.one_of(
+    st.text(st.sampled_from("ab \n\t\r\u00e9\u4e2d\U0001f600<|>"), max_size=12),
+    st.sampled_from(FRAME_TEXT + ["", " ", "\n\n\n", "  padded  "]),
+)
+
+
+@st.composite
+def conversations(draw):
+    """Random roles in any order; text that is empty, blank, unicode, frame-like or repeats earlier text."""
+    messages = []
+    for role in draw(st.lists(st.sampled_from(["system", "user", "assistant"]), min_size=1, max_size=7)):
+        if messages and draw(st.booleans()):
+            content = draw(st.sampled_from([m["content"] for m in messages]))
+        else:
+            content = draw(contents)
+        if role == "assistant" and not content.strip():
+            content += "ok"  # blank answers are dropped before splitting (empty_assistant)
+        messages.append({"role": role, "content": content})
+    return messages
+
+
+SPLIT_TEMPLATES = {"llama3": LLAMA3, "llama3_trimmed": LLAMA3_TRIMMED, "chatml_plain": CHATML_PLAIN}
+
+
+@pytest.fixture(scope="module")
+def split_tokenizers(base_tokenizer, glm_tokenizer):
+    tokenizers = {name: with_template(base_tokenizer, t) for name, t in SPLIT_TEMPLATES.items()}
+    tokenizers["glm4_style"] = glm_tokenizer
+    return {name: (tok, profile_tokenizer(tok)) for name, tok in tokenizers.items()}
+
+
+def test_layouts_learned_from_the_probe(split_tokenizers):
+    layouts = {name: profile.layout for name, (_, profile) in split_tokenizers.items()}
+    assert layouts == {
+        "llama3": TurnLayout("", "<|eot_id|>"),
+        "llama3_trimmed": TurnLayout("", "<|eot_id|>"),
+        "chatml_plain": TurnLayout("", "<|im_end|>\n"),
+        "glm4_style": TurnLayout("", ""),
+    }
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    messages=conversations(), name=st.sampled_from(["llama3", "llama3_trimmed", "chatml_plain", "glm4_style"])
+)
+def test_linear_split_equals_growing_prefixes(split_tokenizers, messages, name):
+    tok, profile = split_tokenizers[name]
+    text, spans = prefix_assistant_spans(tok, messages)
+    contents = locate_contents(tok, messages, text)
+    assert contents is not None  # these templates copy message text (trimmed or not) into the rendering
+    assert linear_assistant_spans(text, messages, contents, profile.layout) == spans
+    rendering = render_conversation(tok, messages, profile)
+    assert (rendering.text, rendering.targets) == (text, spans)
+
+
+def test_locate_contents_is_exact_when_text_repeats_the_frame(base_tokenizer):
+    messages = [
+        {"role": "user", "content": "user"},
+        {"role": "assistant", "content": "<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nuser"},
+        {"role": "user", "content": "user"},
+    ]
+    text = base_tokenizer.apply_chat_template(messages, tokenize=False)
+    spans = locate_contents(base_tokenizer, messages, text)
+    assert [text[a:b] for a, b in spans] == [m["content"] for m in messages]
+    assert spans[0][0] == len("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n")
+
+
+def test_template_that_rewrites_text_falls_back_to_prefixes(base_tokenizer):
+    tok = with_template(base_tokenizer, LLAMA3.replace("message['content']", "message['content'] | upper"))
+    profile = profile_tokenizer(tok)
+    assert profile.layout is None  # the probe's text is not in the rendering, so nothing is learned
+    rendering = render_conversation(tok, CHAT, profile)
+    assert rendering.contents is None
+    assert (rendering.text, rendering.targets) == prefix_assistant_spans(tok, CHAT)
+
+
+def test_linear_split_renders_a_conversation_twice(base_tokenizer, monkeypatch):
+    """Two renderings (the conversation, and its skeleton) however many turns: no growing prefixes."""
+    profile = profile_tokenizer(base_tokenizer)
+    renders = []
+    real = stage._render
+    monkeypatch.setattr(stage, "_render", lambda *a, **k: renders.append(1) or real(*a, **k))
+    turns = [{"role": r, "content": f"turn {i}"} for i in range(200) for r in ("user", "assistant")]
+    rendering = render_conversation(base_tokenizer, turns, profile)
+    assert len(renders) == 2 and len(rendering.targets) == 200
+
+
+def test_sample_labels_equal_the_prefix_method(base_tokenizer):
+    """Every conversation of the shipped sample splits linearly, into exactly the prefix method's labels."""
+    profile = profile_tokenizer(base_tokenizer)
+    old = stage.TokenizerProfile(**{**vars(profile), "layout": None})  # forces growing prefixes
+    lines = (ROOT / "data" / "sample.jsonl").read_text(encoding="utf-8").splitlines()
+    for line in lines:
+        messages = parse_record(json.loads(line))
+        text = base_tokenizer.apply_chat_template(messages, tokenize=False)
+        contents = locate_contents(base_tokenizer, messages, text)
+        assert linear_assistant_spans(text, messages, contents, profile.layout) is not None
+        new = tokenize_conversation(base_tokenizer, messages, profile)
+        assert new == tokenize_conversation(base_tokenizer, messages, old)
+
+
+def test_conversation_may_open_with_the_assistant(tmp_path, base_tokenizer):
+    opening = {"messages": [{"role": "assistant", "content": "Hello! Ask me."}, GOOD["messages"][0]]}
+    for profile in (profile_tokenizer(base_tokenizer), None):
+        ids, labels = tokenize_conversation(base_tokenizer, parse_record(opening), profile)
+        assert target_runs(base_tokenizer, ids, labels) == ["Hello! Ask me.<|eot_id|>"]
+    old = stage.TokenizerProfile(**{**vars(profile_tokenizer(base_tokenizer)), "layout": None})
+    assert tokenize_conversation(base_tokenizer, parse_record(opening), old) == (ids, labels)
+    report = pre_tokenize(
+        write_jsonl(tmp_path / "in.jsonl", [opening]), base_tokenizer, tmp_path / "o", max_seq_len=64
+    )
+    assert report["samples_kept"] == 1
+
+
+def test_marked_template_matches_transformers_assistant_mask(base_tokenizer):
+    tok = with_template(base_tokenizer, CHATML)
+    for line in (ROOT / "data" / "sample.jsonl").read_text(encoding="utf-8").splitlines()[:50]:
+        messages = parse_record(json.loads(line))
+        out = tok.apply_chat_template(messages, return_dict=True, return_assistant_tokens_mask=True)
+        labels = [
+            t if m else IGNORE_INDEX for t, m in zip(out["input_ids"], out["assistant_masks"], strict=True)
+        ]
+        assert tokenize_conversation(tok, messages) == (list(out["input_ids"]), labels)
