@@ -581,10 +581,18 @@ def _faults(reason: str, what: str) -> Iterator[None]:
         raise RecordError(reason, f"{what}: {type(err).__name__}: {err}") from None
 
 
-def process_line(text: str, tokenizer, *, max_seq_len: int, truncation: str) -> dict[str, Any]:
+def process_line(
+    text: str,
+    tokenizer,
+    *,
+    max_seq_len: int,
+    truncation: str,
+    profile: TokenizerProfile | None = None,
+) -> dict[str, Any]:
     """One JSONL line -> a sample, or a drop with its reason and message; never raises for bad input.
 
-    Only a ``TemplateError`` (the template, not the line, is at fault) escapes.
+    Only a ``TemplateError`` (the template, not the line, is at fault) escapes. ``profile`` is learned
+    from the tokenizer when not given (pass it when processing many lines).
     """
     row: dict[str, Any] = {"input_ids": [], "labels": [], "reason": "", "error": "", "truncated": False}
     try:
@@ -597,7 +605,7 @@ def process_line(text: str, tokenizer, *, max_seq_len: int, truncation: str) -> 
             messages = parse_record(record)
         # the template itself may refuse the conversation (e.g. roles must alternate)
         with _faults("template_error", "chat template failed"):
-            input_ids, labels = tokenize_conversation(tokenizer, messages)
+            input_ids, labels = tokenize_conversation(tokenizer, messages, profile)
         if all(t == IGNORE_INDEX for t in labels):
             raise RecordError("no_targets", "no assistant token survives tokenization")
         cut = truncate(input_ids, labels, max_seq_len, truncation)
@@ -614,12 +622,12 @@ def process_line(text: str, tokenizer, *, max_seq_len: int, truncation: str) -> 
 
 
 def _tokenize_batch(
-    batch: dict[str, list], *, tokenizer, max_seq_len: int, truncation: str, strict: bool, source: str
+    batch: dict[str, list], *, tokenizer, strict: bool, source: str, **settings
 ) -> dict[str, list]:
     rows = []
     for text, line in zip(batch["text"], batch["line"], strict=True):
         try:
-            row = process_line(text, tokenizer, max_seq_len=max_seq_len, truncation=truncation)
+            row = process_line(text, tokenizer, **settings)
         except TemplateError as err:  # the template, not the line, is at fault: stop, naming where it showed
             raise TemplateError(f"line {line}: {err}") from None
         if strict and row["reason"] in BAD_INPUT:  # stop here rather than tokenize the rest of the file
@@ -693,6 +701,7 @@ def pre_tokenize(
     if input_path.stat().st_size == 0:
         raise InputError(f"{input_path}: input file is empty")
     check_chat_template(tokenizer)
+    profile = profile_tokenizer(tokenizer)
     with tempfile.TemporaryDirectory(prefix="longalign-tok-") as cache_dir:
         try:
             raw = datasets.Dataset.from_generator(
@@ -709,6 +718,7 @@ def pre_tokenize(
             raise
         fn_kwargs = {
             "tokenizer": tokenizer,
+            "profile": profile,
             "max_seq_len": max_seq_len,
             "truncation": truncation,
             "strict": strict,
