@@ -32,6 +32,7 @@ from typing import Any
 
 import datasets
 import numpy as np
+from tokenizers import decoders, models, pre_tokenizers
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from longalign.artifacts import atomic_output_dir, write_report
@@ -212,21 +213,113 @@ class TokenizerProfile:
     """What pre-tokenization learns once per tokenizer and then uses for every line.
 
     ``layout`` is ``None`` when every conversation must be split by rendering growing prefixes (the
-    template is marked, or its probe shows no single layout); ``control_ids`` are the special tokens.
+    template is marked, or its probe shows no single layout); ``control_ids`` are the special tokens;
+    ``max_token_bytes`` (``None``: no size guard) bounds the text one token stands for, and
+    ``strips_whitespace`` says that some added token swallows the whitespace next to it.
     """
 
     markers: bool
     layout: TurnLayout | None
     control_ids: frozenset[int]
+    max_token_bytes: int | None
+    strips_whitespace: bool
 
 
 def profile_tokenizer(tokenizer) -> TokenizerProfile:
     """Learn what every line needs: the template's kind, its assistant-turn layout, the control tokens."""
     markers = has_generation_markers(tokenizer)
+    added = tokenizer.added_tokens_decoder
     return TokenizerProfile(
         markers=markers,
         layout=None if markers else learn_turn_layout(tokenizer),
-        control_ids=frozenset(i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special),
+        control_ids=frozenset(i for i, tok in added.items() if tok.special),
+        max_token_bytes=longest_token_bytes(tokenizer),
+        strips_whitespace=any(tok.lstrip or tok.rstrip for tok in added.values()),
+    )
+
+
+def longest_token_bytes(tokenizer) -> int | None:
+    """The most bytes of text that one token can stand for; ``None`` when nothing bounds it.
+
+    A byte-level BPE vocabulary spells each byte as one character of a 256-character alphabet, so an
+    entry stands for as many bytes as it has characters (``"ĊĠĠĠ"``: a newline and three spaces, 4 bytes
+    though its UTF-8 spelling takes 8). Other BPE vocabularies with byte fallback are measured in UTF-8,
+    which can only overstate (``"▁"`` spells a 1-byte space). Added tokens stand for their content.
+    Without byte level or byte fallback an unknown token can stand for any amount of text: no bound.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not isinstance(backend.model, models.BPE):
+        return None
+    if isinstance(backend.decoder, decoders.ByteLevel):
+        alphabet = frozenset(pre_tokenizers.ByteLevel.alphabet())
+
+        def size(entry: str) -> int:
+            return sum(1 if c in alphabet else len(c.encode("utf-8")) for c in entry)
+
+    elif backend.model.byte_fallback:
+
+        def size(entry: str) -> int:
+            return len(entry.encode("utf-8"))
+
+    else:
+        return None
+    longest = max(map(size, backend.get_vocab(with_added_tokens=False)), default=1)
+    added = (len(tok.content.encode("utf-8")) for tok in tokenizer.added_tokens_decoder.values())
+    return max(longest, *added)
+
+
+_WHITESPACE = re.compile(r"\s+")  # Python's whitespace includes all that Rust's is_whitespace does
+
+
+def min_tokens(text: str, max_token_bytes: int, *, strips_whitespace: bool = False) -> int:
+    """The fewest tokens ``text`` can become when no token stands for more than ``max_token_bytes`` bytes.
+
+        min_tokens("héllo", 4)  ->  2      (6 UTF-8 bytes, at most 4 per token)
+
+    ``strips_whitespace`` leaves whitespace out, for vocabularies whose added tokens can swallow it.
+    """
+    if strips_whitespace:
+        text = _WHITESPACE.sub("", text)
+    size = len(text) if text.isascii() else len(text.encode("utf-8"))
+    return -(-size // max_token_bytes)
+
+
+def size_guard(
+    tokenizer, profile: TokenizerProfile, text: str, targets, max_seq_len: int, truncation: str
+) -> str | None:
+    """Why a rendering cannot become a sample, from its byte count alone; ``None`` when it may.
+
+    With ``drop`` the whole text must fit. With ``right`` the text before the first target, and with
+    ``left`` the text after the last one, must leave room for a target in the window; ``targets`` may be
+    ``None`` for ``drop``. Costs one pass over the text, and nothing when even 4 bytes per character
+    could not show it too long, so ordinary lines pay nothing.
+    """
+    if profile.max_token_bytes is None:
+        return None
+    if truncation == "drop":
+        part, what = text, "the conversation"
+    elif not targets:
+        return None
+    elif truncation == "right":
+        part, what = text[: targets[0][0]], "the text before the first assistant turn"
+    else:
+        part, what = text[targets[-1][1] :], "the text after the last assistant turn"
+    # A window can still hold a target when only the token straddling its edge and a borrowed closing
+    # token (GLM-4 style) fall inside it, so its bound must clear max_seq_len by two.
+    needed = max_seq_len + (1 if truncation == "drop" else 2)
+    if 4 * len(part) < needed * profile.max_token_bytes:
+        return None
+    normalizer = tokenizer.backend_tokenizer.normalizer
+    if normalizer is not None:  # the model sees normalized text, which may be shorter (NFC, lowercasing)
+        part = normalizer.normalize_str(part)
+    fewest = min_tokens(part, profile.max_token_bytes, strips_whitespace=profile.strips_whitespace)
+    if fewest < needed:
+        return None
+    if truncation == "drop":
+        return f"{what} is at least {fewest} tokens > max_seq_len {max_seq_len} (known before tokenizing)"
+    return (
+        f"{what} is at least {fewest} tokens, so truncating to max_seq_len {max_seq_len} keeps no target "
+        "(known before tokenizing)"
     )
 
 
@@ -279,17 +372,35 @@ class Rendering:
 
 
 def render_conversation(tokenizer, messages: list[dict[str, str]], profile: TokenizerProfile) -> Rendering:
-    """Render a conversation once and find its targets.
+    """Render a conversation once and find its targets (``render_text``, then ``split_rendering``)."""
+    return split_rendering(tokenizer, messages, profile, *render_text(tokenizer, messages, profile))
+
+
+def render_text(
+    tokenizer, messages: list[dict[str, str]], profile: TokenizerProfile
+) -> tuple[str, list[tuple[int, int]] | None]:
+    """The conversation's rendering, with the spans its ``{% generation %}`` blocks wrote (else ``None``)."""
+    if profile.markers:
+        return _render_marked(tokenizer, messages)
+    return _render(tokenizer, messages), None
+
+
+def split_rendering(
+    tokenizer,
+    messages: list[dict[str, str]],
+    profile: TokenizerProfile,
+    text: str,
+    marked: list[tuple[int, int]] | None,
+) -> Rendering:
+    """Find a rendering's targets and the place of each message's text in it.
 
     Marked templates say which characters are generated. Otherwise the linear split places every turn
     from its message's text and the learned layout; a conversation it cannot vouch for is split by growing
     prefixes instead (same spans, one rendering per assistant turn).
     """
-    if profile.markers:
-        text, targets = _render_marked(tokenizer, messages)
-        return Rendering(text, targets, locate_contents(tokenizer, messages, text))
-    text = _render(tokenizer, messages)
     contents = locate_contents(tokenizer, messages, text)
+    if marked is not None:
+        return Rendering(text, marked, contents)
     targets = None
     if profile.layout is not None and contents is not None:
         targets = linear_assistant_spans(text, messages, contents, profile.layout)
@@ -595,6 +706,7 @@ def process_line(
     from the tokenizer when not given (pass it when processing many lines).
     """
     row: dict[str, Any] = {"input_ids": [], "labels": [], "reason": "", "error": "", "truncated": False}
+    profile = profile or profile_tokenizer(tokenizer)
     try:
         if not text.strip():
             raise RecordError("empty_line", "empty line")
@@ -605,7 +717,15 @@ def process_line(
             messages = parse_record(record)
         # the template itself may refuse the conversation (e.g. roles must alternate)
         with _faults("template_error", "chat template failed"):
-            input_ids, labels = tokenize_conversation(tokenizer, messages, profile)
+            text, marked = render_text(tokenizer, messages, profile)
+        if truncation == "drop":  # the text alone may show it too long: no need to locate the turns
+            _check_size(tokenizer, profile, text, None, max_seq_len, truncation)
+        with _faults("template_error", "chat template failed"):
+            rendering = split_rendering(tokenizer, messages, profile, text, marked)
+        if truncation != "drop":
+            _check_size(tokenizer, profile, text, rendering.targets, max_seq_len, truncation)
+        with _faults("template_error", "chat template failed"):
+            input_ids, labels = encode_rendering(tokenizer, rendering, profile)
         if all(t == IGNORE_INDEX for t in labels):
             raise RecordError("no_targets", "no assistant token survives tokenization")
         cut = truncate(input_ids, labels, max_seq_len, truncation)
@@ -619,6 +739,12 @@ def process_line(
     except RecordError as err:
         row.update(reason=err.reason, error=clean_message(str(err)))
     return row
+
+
+def _check_size(tokenizer, profile, text, targets, max_seq_len: int, truncation: str) -> None:
+    reason = size_guard(tokenizer, profile, text, targets, max_seq_len, truncation)
+    if reason is not None:
+        raise RecordError("over_length", reason)
 
 
 def _tokenize_batch(

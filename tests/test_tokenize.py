@@ -27,6 +27,8 @@ from longalign.tokenize import (
     has_generation_markers,
     linear_assistant_spans,
     locate_contents,
+    longest_token_bytes,
+    min_tokens,
     parse_record,
     pre_tokenize,
     prefix_assistant_spans,
@@ -568,3 +570,108 @@ def test_marked_template_matches_transformers_assistant_mask(base_tokenizer):
             t if m else IGNORE_INDEX for t, m in zip(out["input_ids"], out["assistant_masks"], strict=True)
         ]
         assert tokenize_conversation(tok, messages) == (list(out["input_ids"]), labels)
+
+
+# --- the size guard: too long to fit, known before tokenizing ------------------------------------------
+
+
+def without_guard(profile):
+    return stage.TokenizerProfile(**{**vars(profile), "max_token_bytes": None})
+
+
+def test_longest_token_is_measured_in_the_bytes_it_stands_for(base_tokenizer, glm_tokenizer):
+    # Byte-level entries spell one byte per character: "ĊĠĠĠ..." (a newline and 23 spaces) is 24 bytes, not
+    # the 47 its UTF-8 spelling takes; the longest entry is a 37-byte ASCII rule, one token.
+    assert longest_token_bytes(base_tokenizer) == 37
+    assert (
+        len(base_tokenizer("+---------------+-------------------+", add_special_tokens=False)["input_ids"])
+        == 1
+    )
+    longer = copy.deepcopy(base_tokenizer)
+    longer.add_special_tokens({"additional_special_tokens": ["<|" + "x" * 60 + "|>"]})
+    assert longest_token_bytes(longer) == 64  # added tokens count by their content
+
+
+@pytest.fixture(scope="module")
+def bounded_tokenizers(base_tokenizer, glm_tokenizer):
+    return [(tok, longest_token_bytes(tok)) for tok in (base_tokenizer, glm_tokenizer)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    text=st.lists(
+        st.sampled_from(["a", "b", " ", "\n", "\u00e9", "\u4e2d", "\U0001f600", "<|eot_id|>", "<|user|>"])
+        | st.just("+---------------+-------------------+"),
+        max_size=60,
+    ).map("".join)
+)
+def test_min_tokens_never_exceeds_the_tokenization(bounded_tokenizers, text):
+    for tok, longest in bounded_tokenizers:
+        assert min_tokens(text, longest) <= len(tok(text, add_special_tokens=False)["input_ids"])
+
+
+HUGE = "word " * 2000  # 10,000 bytes: at least 271 tokens of this vocabulary, and ~2,000 really
+
+
+@pytest.mark.parametrize(
+    "truncation, messages, words",
+    [
+        ("drop", [{"role": "user", "content": "hi"}, {"role": "assistant", "content": HUGE}], "at least"),
+        (
+            "right",
+            [{"role": "user", "content": HUGE}, {"role": "assistant", "content": "ok"}],
+            "before the first",
+        ),
+        (
+            "left",
+            [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": HUGE},
+            ],
+            "after the last",
+        ),
+    ],
+)
+def test_size_guard_drops_before_tokenizing(base_tokenizer, monkeypatch, truncation, messages, words):
+    profile = profile_tokenizer(base_tokenizer)
+    line = json.dumps({"messages": messages})
+    unguarded = process_line(
+        line, base_tokenizer, max_seq_len=100, truncation=truncation, profile=without_guard(profile)
+    )
+    assert unguarded["reason"] == "over_length"  # the full tokenization agrees, only slower
+    monkeypatch.setattr(stage, "encode_rendering", lambda *a, **k: pytest.fail("tokenized a hopeless sample"))
+    row = process_line(line, base_tokenizer, max_seq_len=100, truncation=truncation, profile=profile)
+    assert row["reason"] == "over_length" and words in row["error"] and "before tokenizing" in row["error"]
+
+
+def test_size_guard_keeps_a_long_answer_that_truncation_can_cut(base_tokenizer):
+    line = json.dumps(
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": HUGE}]}
+    )
+    row = process_line(
+        line, base_tokenizer, max_seq_len=100, truncation="right", profile=profile_tokenizer(base_tokenizer)
+    )
+    assert (row["reason"], len(row["input_ids"]), row["truncated"]) == ("", 100, True)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 400), min_size=2, max_size=5),
+    max_seq_len=st.integers(1, 40),
+    truncation=st.sampled_from(["drop", "right", "left"]),
+)
+def test_size_guard_only_saves_time(base_tokenizer, lengths, max_seq_len, truncation):
+    """With or without the guard, every line ends the same way: the guard drops only what would drop."""
+    profile = profile_tokenizer(base_tokenizer)
+    roles = ["user", "assistant"] * len(lengths)
+    messages = [{"role": r, "content": "ab\u00e9 " * n + "x"} for r, n in zip(roles, lengths, strict=False)]
+    line = json.dumps({"messages": messages})
+    kwargs = {"max_seq_len": max_seq_len, "truncation": truncation}
+    guarded = process_line(line, base_tokenizer, profile=profile, **kwargs)
+    plain = process_line(line, base_tokenizer, profile=without_guard(profile), **kwargs)
+    assert (guarded["reason"], guarded["input_ids"], guarded["labels"]) == (
+        plain["reason"],
+        plain["input_ids"],
+        plain["labels"],
+    )
