@@ -23,6 +23,7 @@ import json
 import os
 import re
 import tempfile
+from bisect import bisect_right
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -38,6 +39,8 @@ from transformers.utils.chat_template_utils import render_jinja_template
 from longalign.artifacts import atomic_output_dir, write_report
 
 TRUNCATIONS = ("right", "left", "drop")
+# What message text that spells a control token (e.g. "<|eot_id|>") becomes: text, or the control token.
+SPECIAL_TEXT_MODES = ("text", "parse")
 # Every reason a line can be dropped for. All but "over_length" are bad input (``strict`` stops at them).
 DROP_REASONS = (
     "empty_line",
@@ -213,14 +216,16 @@ class TokenizerProfile:
     """What pre-tokenization learns once per tokenizer and then uses for every line.
 
     ``layout`` is ``None`` when every conversation must be split by rendering growing prefixes (the
-    template is marked, or its probe shows no single layout); ``control_ids`` are the special tokens;
-    ``max_token_bytes`` (``None``: no size guard) bounds the text one token stands for, and
-    ``strips_whitespace`` says that some added token swallows the whitespace next to it.
+    template is marked, or its probe shows no single layout); ``control_ids`` are the special tokens and
+    ``control_text`` finds their text (``None``: there are none); ``max_token_bytes`` (``None``: no size
+    guard) bounds the text one token stands for, and ``strips_whitespace`` says that some added token
+    swallows the whitespace next to it.
     """
 
     markers: bool
     layout: TurnLayout | None
     control_ids: frozenset[int]
+    control_text: re.Pattern | None
     max_token_bytes: int | None
     strips_whitespace: bool
 
@@ -229,10 +234,13 @@ def profile_tokenizer(tokenizer) -> TokenizerProfile:
     """Learn what every line needs: the template's kind, its assistant-turn layout, the control tokens."""
     markers = has_generation_markers(tokenizer)
     added = tokenizer.added_tokens_decoder
+    control = sorted((tok.content for tok in added.values() if tok.special), key=len, reverse=True)
     return TokenizerProfile(
         markers=markers,
         layout=None if markers else learn_turn_layout(tokenizer),
         control_ids=frozenset(i for i, tok in added.items() if tok.special),
+        # longest first, so that a token whose text starts with another's is named whole
+        control_text=re.compile("|".join(map(re.escape, control))) if control else None,
         max_token_bytes=longest_token_bytes(tokenizer),
         strips_whitespace=any(tok.lstrip or tok.rstrip for tok in added.values()),
     )
@@ -527,7 +535,11 @@ def prefix_assistant_spans(tokenizer, messages: list[dict[str, str]]) -> tuple[s
 
 
 def tokenize_conversation(
-    tokenizer, messages: list[dict[str, str]], profile: TokenizerProfile | None = None
+    tokenizer,
+    messages: list[dict[str, str]],
+    profile: TokenizerProfile | None = None,
+    *,
+    special_tokens_in_text: str = "text",
 ) -> tuple[list[int], list[int]]:
     """Tokenize one conversation with the chat template; return ``(input_ids, labels)``, labels not shifted.
 
@@ -535,15 +547,45 @@ def tokenize_conversation(
     renderings of growing prefixes do not extend each other.
     """
     profile = profile or profile_tokenizer(tokenizer)
-    return encode_rendering(tokenizer, render_conversation(tokenizer, messages, profile), profile)
+    rendering = render_conversation(tokenizer, messages, profile)
+    quoted = quoted_control_text(messages, profile) if special_tokens_in_text == "text" else None
+    return encode_rendering(tokenizer, rendering, profile, quoted=quoted)
+
+
+def quoted_control_text(messages: list[dict[str, str]], profile: TokenizerProfile) -> tuple[int, str] | None:
+    """The first message whose text spells a control token, and that token's text; ``None`` if none does.
+
+    [{"role": "user", "content": "what is <|eot_id|>?"}, ...]  ->  (0, "<|eot_id|>")
+    """
+    if profile.control_text is None:
+        return None
+    for i, message in enumerate(messages):
+        if found := profile.control_text.search(message["content"]):
+            return i, found.group()
+    return None
 
 
 def encode_rendering(
-    tokenizer, rendering: Rendering, profile: TokenizerProfile
+    tokenizer, rendering: Rendering, profile: TokenizerProfile, *, quoted: tuple[int, str] | None = None
 ) -> tuple[list[int], list[int]]:
-    """Tokenize a rendering in one pass and label its target tokens."""
+    """Tokenize a rendering and label its target tokens.
+
+    One pass over the whole text, as the tokenizer reads it. ``quoted`` (from ``quoted_control_text``)
+    asks for message text that spells a control token to be read as text, not as the token.
+    """
     enc = tokenizer(rendering.text, add_special_tokens=False, return_offsets_mapping=True)
     input_ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
+    if quoted is not None:
+        if rendering.contents is None:
+            index, token = quoted
+            raise RecordError(
+                "template_error",
+                f"message {index} spells the control token {token!r}, and the chat template rewrites message "
+                "text, so it cannot be kept as text (--special-tokens-in-text parse reads it as the token)",
+            )
+        input_ids, offsets = _reencode_quoted(
+            tokenizer, rendering.text, input_ids, offsets, rendering.contents, profile.control_ids
+        )
     if profile.markers:
         is_target = _overlapping(offsets, rendering.targets)
     else:
@@ -551,6 +593,58 @@ def encode_rendering(
         _close_turns(tokenizer, input_ids, is_target, profile.control_ids)
     labels = [t if m else IGNORE_INDEX for t, m in zip(input_ids, is_target, strict=True)]
     return input_ids, labels
+
+
+def _reencode_quoted(
+    tokenizer,
+    text: str,
+    input_ids: list[int],
+    offsets: list[tuple[int, int]],
+    contents: list[tuple[int, int]],
+    control: frozenset[int],
+) -> tuple[list[int], list[tuple[int, int]]]:
+    """Tokenize again, as text, each stretch where message text turned into a control token.
+
+    The template's own control tokens stay. A stretch between two of them that holds a control token
+    lying inside a message's text is tokenized again with special tokens read as text; every other token
+    is kept as it was, so a conversation tokenizes as before except where its messages quote control
+    tokens::
+
+        text    ...<|end_header_id|>\n\nsay <|eot_id|> now<|eot_id|>
+        before  ... <|end_header_id|> "\n\n" "say" " " <|eot_id|> " now" <|eot_id|>
+        after   ... <|end_header_id|> "\n\n" "say" " <" "|" "e" "ot" "_id" "|>" " now" <|eot_id|>
+    """
+    starts = [start for start, _ in contents]
+
+    def in_message(span: tuple[int, int]) -> bool:
+        k = bisect_right(starts, span[0]) - 1
+        return k >= 0 and span[1] <= contents[k][1]
+
+    is_control = [t in control for t in input_ids]
+    quoted = [i for i, c in enumerate(is_control) if c and in_message(offsets[i])]
+    if not quoted:
+        return input_ids, offsets
+    template = [i for i, c in enumerate(is_control) if c and not in_message(offsets[i])]
+    ids_out: list[int] = []
+    offsets_out: list[tuple[int, int]] = []
+    bounds = [-1, *template, len(input_ids)]
+    for left, right in zip(bounds, bounds[1:], strict=False):
+        if left >= 0:
+            ids_out.append(input_ids[left])
+            offsets_out.append(offsets[left])
+        q = bisect_right(quoted, left)
+        if q == len(quoted) or quoted[q] > right:
+            ids_out += input_ids[left + 1 : right]
+            offsets_out += offsets[left + 1 : right]
+            continue
+        lo = offsets[left][1] if left >= 0 else 0
+        hi = offsets[right][0] if right < len(input_ids) else len(text)
+        enc = tokenizer(
+            text[lo:hi], add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True
+        )
+        ids_out += enc["input_ids"]
+        offsets_out += [(start + lo, end + lo) for start, end in enc["offset_mapping"]]
+    return ids_out, offsets_out
 
 
 def _targets_from_spans(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[bool]:
@@ -699,13 +793,22 @@ def process_line(
     max_seq_len: int,
     truncation: str,
     profile: TokenizerProfile | None = None,
+    special_tokens_in_text: str = "text",
 ) -> dict[str, Any]:
     """One JSONL line -> a sample, or a drop with its reason and message; never raises for bad input.
 
     Only a ``TemplateError`` (the template, not the line, is at fault) escapes. ``profile`` is learned
-    from the tokenizer when not given (pass it when processing many lines).
+    from the tokenizer when not given (pass it when processing many lines). ``special_text`` says whether
+    a message spells a control token.
     """
-    row: dict[str, Any] = {"input_ids": [], "labels": [], "reason": "", "error": "", "truncated": False}
+    row: dict[str, Any] = {
+        "input_ids": [],
+        "labels": [],
+        "reason": "",
+        "error": "",
+        "truncated": False,
+        "special_text": False,
+    }
     profile = profile or profile_tokenizer(tokenizer)
     try:
         if not text.strip():
@@ -715,6 +818,8 @@ def process_line(
             record = json.loads(text)
         with _faults("unknown_format", "record not understood"):
             messages = parse_record(record)
+        quoted = quoted_control_text(messages, profile)
+        row["special_text"] = quoted is not None
         # the template itself may refuse the conversation (e.g. roles must alternate)
         with _faults("template_error", "chat template failed"):
             text, marked = render_text(tokenizer, messages, profile)
@@ -725,7 +830,8 @@ def process_line(
         if truncation != "drop":
             _check_size(tokenizer, profile, text, rendering.targets, max_seq_len, truncation)
         with _faults("template_error", "chat template failed"):
-            input_ids, labels = encode_rendering(tokenizer, rendering, profile)
+            as_text = quoted if special_tokens_in_text == "text" else None
+            input_ids, labels = encode_rendering(tokenizer, rendering, profile, quoted=as_text)
         if all(t == IGNORE_INDEX for t in labels):
             raise RecordError("no_targets", "no assistant token survives tokenization")
         cut = truncate(input_ids, labels, max_seq_len, truncation)
@@ -759,7 +865,8 @@ def _tokenize_batch(
         if strict and row["reason"] in BAD_INPUT:  # stop here rather than tokenize the rest of the file
             raise RecordError(row["reason"], f"{source}: line {line}: {row['error']}")
         rows.append(row)
-    out = {key: [r[key] for r in rows] for key in ("input_ids", "labels", "reason", "error", "truncated")}
+    keys = ("input_ids", "labels", "reason", "error", "truncated", "special_text")
+    out = {key: [r[key] for r in rows] for key in keys}
     out["length"] = [len(r["input_ids"]) for r in rows]
     out["num_targets"] = [sum(t != IGNORE_INDEX for t in r["labels"]) for r in rows]
     out["line"] = batch["line"]
@@ -798,6 +905,7 @@ _MAPPED_FEATURES = datasets.Features(
         "reason": datasets.Value("string"),
         "error": datasets.Value("string"),
         "truncated": datasets.Value("bool"),
+        "special_text": datasets.Value("bool"),
     }
 )
 
@@ -811,6 +919,7 @@ def pre_tokenize(
     truncation: str = "right",
     num_proc: int = 1,
     strict: bool = False,
+    special_tokens_in_text: str = "text",
 ) -> dict[str, Any]:
     """Tokenize a chat JSONL file into a sample dataset at ``output_dir``; return the report.
 
@@ -821,6 +930,10 @@ def pre_tokenize(
         raise ValueError(f"truncation must be one of {', '.join(TRUNCATIONS)}, got {truncation!r}")
     if max_seq_len < 1:
         raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
+    if special_tokens_in_text not in SPECIAL_TEXT_MODES:
+        raise ValueError(
+            f"special_tokens_in_text must be one of {', '.join(SPECIAL_TEXT_MODES)}, got {special_tokens_in_text!r}"
+        )
     input_path = Path(input_path)
     if not input_path.is_file():
         raise InputError(f"{input_path}: input file not found")
@@ -847,6 +960,7 @@ def pre_tokenize(
             "profile": profile,
             "max_seq_len": max_seq_len,
             "truncation": truncation,
+            "special_tokens_in_text": special_tokens_in_text,
             "strict": strict,
             "source": str(input_path),
         }
@@ -864,17 +978,22 @@ def pre_tokenize(
         except (RecordError, TemplateError) as err:
             # From a tokenizer process it arrives chained to the worker's traceback: the message says it all.
             raise err from None
-        report = _report(mapped, input_path, max_seq_len, truncation)
+        report = _report(mapped, input_path, max_seq_len, truncation, special_tokens_in_text)
         reasons = np.asarray(mapped["reason"])
-        kept = mapped.select(np.flatnonzero(reasons == "")).remove_columns(["reason", "error", "truncated"])
+        kept = mapped.select(np.flatnonzero(reasons == "")).remove_columns(
+            ["reason", "error", "truncated", "special_text"]
+        )
         with atomic_output_dir(output_dir) as staging:
             kept.save_to_disk(str(staging))
             write_report(staging, report)
     return report
 
 
-def _report(mapped: datasets.Dataset, input_path: Path, max_seq_len: int, truncation: str) -> dict[str, Any]:
-    table = mapped.select_columns(["reason", "truncated", "length", "num_targets", "line", "error"])
+def _report(
+    mapped: datasets.Dataset, input_path: Path, max_seq_len: int, truncation: str, special_tokens_in_text: str
+) -> dict[str, Any]:
+    columns = ["reason", "truncated", "special_text", "length", "num_targets", "line", "error"]
+    table = mapped.select_columns(columns)
     reasons = np.asarray(table["reason"])
     kept = reasons == ""
     lengths = np.asarray(table["length"])[kept]
@@ -890,6 +1009,8 @@ def _report(mapped: datasets.Dataset, input_path: Path, max_seq_len: int, trunca
         "dropped": {reason: dropped.get(reason, 0) for reason in DROP_REASONS},
         "dropped_total": int((~kept).sum()),
         "truncated": int(np.asarray(table["truncated"])[kept].sum()),
+        "special_tokens_in_text": special_tokens_in_text,
+        "samples_with_special_token_text": int(np.asarray(table["special_text"])[kept].sum()),
         "total_tokens": int(lengths.sum()),
         "target_tokens": int(np.asarray(table["num_targets"])[kept].sum()),
         "length_percentiles": _percentiles(lengths),

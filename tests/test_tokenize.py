@@ -34,6 +34,7 @@ from longalign.tokenize import (
     prefix_assistant_spans,
     process_line,
     profile_tokenizer,
+    quoted_control_text,
     render_conversation,
     tokenize_conversation,
     truncate,
@@ -675,3 +676,98 @@ def test_size_guard_only_saves_time(base_tokenizer, lengths, max_seq_len, trunca
         plain["input_ids"],
         plain["labels"],
     )
+
+
+# --- message text that spells a control token is text --------------------------------------------------
+
+QUOTING = [
+    {"role": "user", "content": "What ends a Llama 3 turn?"},
+    {"role": "assistant", "content": "The token <|eot_id|> does; after it comes <|user|> or <|im_start|>."},
+    {"role": "user", "content": "And <|im_end|>\n<|im_start|>assistant\n?"},
+    {"role": "assistant", "content": "ChatML's."},
+]
+
+
+def control_tokens(tokenizer, ids) -> list[int]:
+    control = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    return [t for t in ids if t in control]
+
+
+def template_control_tokens(tokenizer, messages) -> list[int]:
+    """The control tokens the template itself writes: those of the rendering with neutral text."""
+    neutral = [{**m, "content": "x"} for m in messages]
+    text = stage._render(tokenizer, neutral)
+    return control_tokens(tokenizer, tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def test_quoted_control_token_is_text_in_llama3(base_tokenizer):
+    tok = base_tokenizer
+    assert quoted_control_text(QUOTING, profile_tokenizer(tok)) == (1, "<|eot_id|>")
+    ids, labels = tokenize_conversation(tok, QUOTING)
+    assert control_tokens(tok, ids) == template_control_tokens(tok, QUOTING)
+    assert target_runs(tok, ids, labels) == [QUOTING[1]["content"] + "<|eot_id|>", "ChatML's.<|eot_id|>"]
+    assert tok.decode(ids) == tok.apply_chat_template(QUOTING, tokenize=False)
+    old_ids, _ = tokenize_conversation(tok, QUOTING, special_tokens_in_text="parse")  # the old reading
+    assert (
+        old_ids
+        == tok(tok.apply_chat_template(QUOTING, tokenize=False), add_special_tokens=False)["input_ids"]
+    )
+    assert len(control_tokens(tok, old_ids)) > len(control_tokens(tok, ids))
+
+
+def test_quoted_role_token_no_longer_cuts_a_glm4_answer_short(glm_tokenizer):
+    tok = glm_tokenizer
+    ids, labels = tokenize_conversation(tok, QUOTING)
+    assert target_runs(tok, ids, labels) == [QUOTING[1]["content"] + "<|user|>", "ChatML's." + tok.eos_token]
+    old_ids, old_labels = tokenize_conversation(tok, QUOTING, special_tokens_in_text="parse")
+    # read as control tokens, the quoted ones end the answer early: its last words are never learned
+    cut = "The token <|eot_id|> does; after it comes <|user|> or <|im_start|>"
+    assert target_runs(tok, old_ids, old_labels)[0] == cut
+
+
+def test_quoted_control_token_is_text_with_generation_markers(base_tokenizer):
+    tok = with_template(base_tokenizer, CHATML)
+    ids, labels = tokenize_conversation(tok, QUOTING)
+    assert control_tokens(tok, ids) == template_control_tokens(tok, QUOTING)
+    assert target_runs(tok, ids, labels) == [QUOTING[1]["content"] + "<|im_end|>", "ChatML's.<|im_end|>"]
+
+
+@settings(max_examples=100, deadline=None)
+@given(messages=conversations(), name=st.sampled_from(["llama3", "chatml_plain", "glm4_style", "chatml"]))
+def test_message_text_never_adds_a_control_token(quoting_tokenizers, messages, name):
+    """Only the template writes control tokens, and the text still reads back whole."""
+    tok, profile = quoting_tokenizers[name]
+    ids, labels = tokenize_conversation(tok, messages, profile)
+    text = stage._render(tok, messages)
+    if name == "glm4_style" and messages[-1]["role"] == "assistant":
+        ids = ids[:-1]  # the EOS a GLM-4-style final turn borrows
+    assert control_tokens(tok, ids) == template_control_tokens(tok, messages)
+    assert tok.decode(ids) == text
+
+
+@pytest.fixture(scope="module")
+def quoting_tokenizers(split_tokenizers, base_tokenizer):
+    tok = with_template(base_tokenizer, CHATML)
+    return {**split_tokenizers, "chatml": (tok, profile_tokenizer(tok))}
+
+
+def test_quoting_under_a_template_that_rewrites_text_is_a_drop(base_tokenizer):
+    tok = with_template(base_tokenizer, LLAMA3.replace("message['content']", "message['content'] | upper"))
+    line = json.dumps({"messages": QUOTING})
+    row = process_line(line, tok, max_seq_len=256, truncation="right")
+    assert row["reason"] == "template_error" and "--special-tokens-in-text parse" in row["error"]
+    row = process_line(line, tok, max_seq_len=256, truncation="right", special_tokens_in_text="parse")
+    assert row["reason"] == "" and row["special_text"]
+
+
+def test_report_counts_samples_that_quote_control_tokens(tmp_path, base_tokenizer):
+    src = write_jsonl(tmp_path / "in.jsonl", [GOOD, {"messages": QUOTING}, GOOD])
+    for mode in ("text", "parse"):
+        report = pre_tokenize(
+            src, base_tokenizer, tmp_path / mode, max_seq_len=256, special_tokens_in_text=mode
+        )
+        assert report["samples_with_special_token_text"] == 1 and report["special_tokens_in_text"] == mode
+    text, parse = (datasets.load_from_disk(str(tmp_path / m))[1]["input_ids"] for m in ("text", "parse"))
+    assert text != parse
+    with pytest.raises(ValueError, match="special_tokens_in_text"):
+        pre_tokenize(src, base_tokenizer, tmp_path / "x", max_seq_len=256, special_tokens_in_text="keep")
