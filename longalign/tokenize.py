@@ -84,7 +84,7 @@ class TemplateError(ValueError):
 
 
 class InputError(ValueError):
-    """An input file that cannot be read at all (missing, empty, not UTF-8)."""
+    """An input file that cannot be read at all (missing, empty, not UTF-8) or gives no sample."""
 
 
 def parse_record(record: Any) -> list[dict[str, str]]:
@@ -979,6 +979,11 @@ def pre_tokenize(
             # From a tokenizer process it arrives chained to the worker's traceback: the message says it all.
             raise err from None
         report = _report(mapped, input_path, max_seq_len, truncation, special_tokens_in_text)
+        if report["samples_kept"] == 0:  # an empty dataset would only fail later, in packing or training
+            dropped = ", ".join(f"{reason} {n}" for reason, n in report["dropped"].items() if n)
+            raise InputError(
+                f"{input_path}: no line became a sample ({report['lines_read']} lines read; dropped: {dropped})"
+            )
         reasons = np.asarray(mapped["reason"])
         kept = mapped.select(np.flatnonzero(reasons == "")).remove_columns(
             ["reason", "error", "truncated", "special_text"]

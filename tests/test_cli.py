@@ -117,3 +117,20 @@ def test_pre_tokenize_reads_control_token_text_as_chosen(tmp_path, capsys):
         assert main([*argv, "--output", str(out), "--special-tokens-in-text", mode]) == 0
         assert f"control-token text in 1 samples, read as {mode}" in capsys.readouterr().out
         assert json.loads((out / "report.json").read_text())["special_tokens_in_text"] == mode
+
+
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_pre_tokenize_max_seq_len_below_one_is_one_line(tmp_path, capsys, value):
+    argv = [
+        "pre-tokenize",
+        "--input",
+        str(SAMPLE),
+        "--tokenizer",
+        str(TOKENIZER),
+        "--output",
+        str(tmp_path / "o"),
+    ]
+    assert main([*argv, "--max-seq-len", value]) == 2
+    err = capsys.readouterr().err
+    assert err == f"longalign pre-tokenize: error: max_seq_len must be >= 1, got {value}\n"
+    assert not (tmp_path / "o").exists()

@@ -771,3 +771,27 @@ def test_report_counts_samples_that_quote_control_tokens(tmp_path, base_tokenize
     assert text != parse
     with pytest.raises(ValueError, match="special_tokens_in_text"):
         pre_tokenize(src, base_tokenizer, tmp_path / "x", max_seq_len=256, special_tokens_in_text="keep")
+
+
+# --- errors before work --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("max_seq_len", [0, -5])
+def test_max_seq_len_below_one_fails_before_reading_input(tmp_path, base_tokenizer, max_seq_len):
+    with pytest.raises(ValueError, match=f"max_seq_len must be >= 1, got {max_seq_len}$"):
+        pre_tokenize(tmp_path / "not-there.jsonl", base_tokenizer, tmp_path / "out", max_seq_len=max_seq_len)
+
+
+def test_file_that_gives_no_sample_is_an_error_and_writes_nothing(tmp_path, base_tokenizer):
+    out = tmp_path / "out"
+    pre_tokenize(write_jsonl(tmp_path / "ok.jsonl", [GOOD]), base_tokenizer, out, max_seq_len=64)
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("\n  \n\t\n")
+    with pytest.raises(InputError, match=f"{blank}: no line became a sample .*3 lines read.*empty_line 3"):
+        pre_tokenize(blank, base_tokenizer, out, max_seq_len=64)
+    assert read_report(out)["lines_read"] == 1  # the earlier output stands
+    with pytest.raises(InputError, match="over_length 1"):
+        pre_tokenize(
+            write_jsonl(tmp_path / "long.jsonl", [LONG]), base_tokenizer, tmp_path / "o2", max_seq_len=8
+        )
+    assert not (tmp_path / "o2").exists()
