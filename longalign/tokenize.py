@@ -12,9 +12,17 @@ Labels are not shifted (the loss shifts) and include the token that ends each as
 learns to stop. Two ways to find the assistant tokens, both on the exact tokenization of the full rendering:
 
 - templates with ``{% generation %}`` markers: the template says which characters are generated;
-- templates without them (most official ones): render growing prefixes of the conversation; the text
-  between "history + generation prompt" and "history + this assistant message" is the assistant turn.
+- templates without them (most official ones): the assistant turn of message k is the text between
+  "history + generation prompt" and "history + message k". Rendering those growing prefixes costs
+  O(turns^2), so it is done once, on a probe conversation, to learn how the template frames an answer
+  (``TurnLayout``); each conversation is then rendered once, every message's text is located in it, and
+  the turns follow from the layout. A conversation that does not fit this is split by growing prefixes.
   A turn that ends without a control token (GLM-4 style) gets the next control token, or EOS at the end.
+
+Message text is text: a message that spells a control token (``"<|eot_id|>"``) gets the characters, not
+the token, so it cannot fake a turn boundary. Bad lines never raise: each becomes a drop counted under
+one of ``DROP_REASONS`` with its line number and a message; a line too long to ever fit is dropped
+before it is tokenized.
 """
 
 from __future__ import annotations
@@ -272,8 +280,8 @@ def longest_token_bytes(tokenizer) -> int | None:
     else:
         return None
     longest = max(map(size, backend.get_vocab(with_added_tokens=False)), default=1)
-    added = (len(tok.content.encode("utf-8")) for tok in tokenizer.added_tokens_decoder.values())
-    return max(longest, *added)
+    added = [len(tok.content.encode("utf-8")) for tok in tokenizer.added_tokens_decoder.values()]
+    return max([longest, *added])
 
 
 _WHITESPACE = re.compile(r"\s+")  # Python's whitespace includes all that Rust's is_whitespace does
@@ -454,7 +462,7 @@ def locate_contents(tokenizer, messages: list[dict[str, str]], text: str) -> lis
 
         text      <|begin_of_text|><|start_header_id|>user<|end_header_id|>\\n\\nHi<|eot_id|>...
         skeleton  <|begin_of_text|><|start_header_id|>user<|end_header_id|>\\n\\n{0}<|eot_id|>...
-        result    [(60, 62), ...]
+        result    [(59, 61), ...]
     """
     held = [{**m, "content": f"\ue000{i}\ue001"} for i, m in enumerate(messages)]
     try:
@@ -798,8 +806,11 @@ def process_line(
     """One JSONL line -> a sample, or a drop with its reason and message; never raises for bad input.
 
     Only a ``TemplateError`` (the template, not the line, is at fault) escapes. ``profile`` is learned
-    from the tokenizer when not given (pass it when processing many lines). ``special_text`` says whether
-    a message spells a control token.
+    from the tokenizer when not given (pass it when processing many lines). The row's ``special_text``
+    says whether a kept sample's messages spell a control token (``special_tokens_in_text`` says how such
+    text is read: as ``text``, or ``parse``d into the control token).
+
+    A sample that cannot fit is dropped from byte counts before it is tokenized (``size_guard``).
     """
     row: dict[str, Any] = {
         "input_ids": [],
@@ -818,17 +829,17 @@ def process_line(
             record = json.loads(text)
         with _faults("unknown_format", "record not understood"):
             messages = parse_record(record)
-        quoted = quoted_control_text(messages, profile)
-        row["special_text"] = quoted is not None
         # the template itself may refuse the conversation (e.g. roles must alternate)
         with _faults("template_error", "chat template failed"):
-            text, marked = render_text(tokenizer, messages, profile)
+            rendered, marked = render_text(tokenizer, messages, profile)
         if truncation == "drop":  # the text alone may show it too long: no need to locate the turns
-            _check_size(tokenizer, profile, text, None, max_seq_len, truncation)
+            _check_size(tokenizer, profile, rendered, None, max_seq_len, truncation)
         with _faults("template_error", "chat template failed"):
-            rendering = split_rendering(tokenizer, messages, profile, text, marked)
+            rendering = split_rendering(tokenizer, messages, profile, rendered, marked)
         if truncation != "drop":
-            _check_size(tokenizer, profile, text, rendering.targets, max_seq_len, truncation)
+            _check_size(tokenizer, profile, rendered, rendering.targets, max_seq_len, truncation)
+        quoted = quoted_control_text(messages, profile)
+        row["special_text"] = quoted is not None
         with _faults("template_error", "chat template failed"):
             as_text = quoted if special_tokens_in_text == "text" else None
             input_ids, labels = encode_rendering(tokenizer, rendering, profile, quoted=as_text)

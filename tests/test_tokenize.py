@@ -11,7 +11,7 @@ import datasets
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import AutoTokenizer
+from transformers import AddedToken, AutoTokenizer
 
 import longalign.tokenize as stage
 from longalign.artifacts import read_report
@@ -595,20 +595,39 @@ def test_longest_token_is_measured_in_the_bytes_it_stands_for(base_tokenizer, gl
 
 @pytest.fixture(scope="module")
 def bounded_tokenizers(base_tokenizer, glm_tokenizer):
-    return [(tok, longest_token_bytes(tok)) for tok in (base_tokenizer, glm_tokenizer)]
+    """The shipped vocabulary, the GLM-4-style one, and one whose <mask> swallows whitespace on both sides."""
+    greedy = copy.deepcopy(base_tokenizer)
+    greedy.add_special_tokens({"additional_special_tokens": [AddedToken("<mask>", lstrip=True, rstrip=True)]})
+    bounded = []
+    for tok in (base_tokenizer, glm_tokenizer, greedy):
+        profile = profile_tokenizer(tok)
+        bounded.append((tok, profile.max_token_bytes, profile.strips_whitespace))
+    assert [strips for *_, strips in bounded] == [False, False, True]
+    return bounded
 
 
 @settings(max_examples=200, deadline=None)
 @given(
     text=st.lists(
-        st.sampled_from(["a", "b", " ", "\n", "\u00e9", "\u4e2d", "\U0001f600", "<|eot_id|>", "<|user|>"])
-        | st.just("+---------------+-------------------+"),
+        st.sampled_from(
+            ["a", "b", " ", "\n", "\u00e9", "\u4e2d", "\U0001f600", "<|eot_id|>", "<|user|>", "<mask>"]
+        )
+        | st.just("+---------------+-------------------+")
+        | st.just(" " * 50),
         max_size=60,
     ).map("".join)
 )
 def test_min_tokens_never_exceeds_the_tokenization(bounded_tokenizers, text):
-    for tok, longest in bounded_tokenizers:
-        assert min_tokens(text, longest) <= len(tok(text, add_special_tokens=False)["input_ids"])
+    for tok, longest, strips in bounded_tokenizers:
+        fewest = min_tokens(text, longest, strips_whitespace=strips)
+        assert fewest <= len(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def test_min_tokens_counts_bytes():
+    assert min_tokens("h\u00e9llo", 4) == 2  # 6 bytes
+    assert min_tokens("ab" * 10, 5) == 4
+    assert min_tokens("a" + " " * 100 + "b", 1, strips_whitespace=True) == 2
+    assert min_tokens("", 3) == 0
 
 
 HUGE = "word " * 2000  # 10,000 bytes: at least 271 tokens of this vocabulary, and ~2,000 really
