@@ -934,8 +934,10 @@ def pre_tokenize(
 ) -> dict[str, Any]:
     """Tokenize a chat JSONL file into a sample dataset at ``output_dir``; return the report.
 
-    Bad lines are skipped and counted by reason (``strict`` raises at the first one instead). The output
-    directory is replaced only when everything succeeded.
+    Bad lines are skipped and counted by reason (``strict`` raises at the first one instead, before
+    tokenizing the lines after it). ``special_tokens_in_text`` says how message text that spells a
+    control token is read: as ``text`` or ``parse``d into the token. A file in which no line becomes a
+    sample is an ``InputError``. The output directory is replaced only when everything succeeded.
     """
     if truncation not in TRUNCATIONS:
         raise ValueError(f"truncation must be one of {', '.join(TRUNCATIONS)}, got {truncation!r}")
