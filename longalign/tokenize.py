@@ -563,7 +563,9 @@ def tokenize_conversation(
 def quoted_control_text(messages: list[dict[str, str]], profile: TokenizerProfile) -> tuple[int, str] | None:
     """The first message whose text spells a control token, and that token's text; ``None`` if none does.
 
-    [{"role": "user", "content": "what is <|eot_id|>?"}, ...]  ->  (0, "<|eot_id|>")
+        [{"role": "user", "content": "what is <|eot_id|>?"}, ...]  ->  (0, "<|eot_id|>")
+
+    Control tokens are the tokenizer's special added tokens; their text is found by ``profile.control_text``.
     """
     if profile.control_text is None:
         return None
@@ -618,9 +620,9 @@ def _reencode_quoted(
     is kept as it was, so a conversation tokenizes as before except where its messages quote control
     tokens::
 
-        text    ...<|end_header_id|>\n\nsay <|eot_id|> now<|eot_id|>
-        before  ... <|end_header_id|> "\n\n" "say" " " <|eot_id|> " now" <|eot_id|>
-        after   ... <|end_header_id|> "\n\n" "say" " <" "|" "e" "ot" "_id" "|>" " now" <|eot_id|>
+        text    ...<|end_header_id|>\\n\\nsay <|eot_id|> now<|eot_id|>
+        before  ... <|end_header_id|> "\\n\\n" "s" "ay" " " <|eot_id|> " now" <|eot_id|>
+        after   ... <|end_header_id|> "\\n\\n" "s" "ay" " <" "|" "e" "ot" "_" "id" "|" ">" " now" <|eot_id|>
     """
     starts = [start for start, _ in contents]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import datasets
@@ -538,7 +539,7 @@ def test_linear_split_renders_a_conversation_twice(base_tokenizer, monkeypatch):
 def test_sample_labels_equal_the_prefix_method(base_tokenizer):
     """Every conversation of the shipped sample splits linearly, into exactly the prefix method's labels."""
     profile = profile_tokenizer(base_tokenizer)
-    old = stage.TokenizerProfile(**{**vars(profile), "layout": None})  # forces growing prefixes
+    old = replace(profile, layout=None)  # forces growing prefixes
     lines = (ROOT / "data" / "sample.jsonl").read_text(encoding="utf-8").splitlines()
     for line in lines:
         messages = parse_record(json.loads(line))
@@ -554,7 +555,7 @@ def test_conversation_may_open_with_the_assistant(tmp_path, base_tokenizer):
     for profile in (profile_tokenizer(base_tokenizer), None):
         ids, labels = tokenize_conversation(base_tokenizer, parse_record(opening), profile)
         assert target_runs(base_tokenizer, ids, labels) == ["Hello! Ask me.<|eot_id|>"]
-    old = stage.TokenizerProfile(**{**vars(profile_tokenizer(base_tokenizer)), "layout": None})
+    old = replace(profile_tokenizer(base_tokenizer), layout=None)
     assert tokenize_conversation(base_tokenizer, parse_record(opening), old) == (ids, labels)
     report = pre_tokenize(
         write_jsonl(tmp_path / "in.jsonl", [opening]), base_tokenizer, tmp_path / "o", max_seq_len=64
@@ -577,7 +578,7 @@ def test_marked_template_matches_transformers_assistant_mask(base_tokenizer):
 
 
 def without_guard(profile):
-    return stage.TokenizerProfile(**{**vars(profile), "max_token_bytes": None})
+    return replace(profile, max_token_bytes=None)
 
 
 def test_longest_token_is_measured_in_the_bytes_it_stands_for(base_tokenizer, glm_tokenizer):
