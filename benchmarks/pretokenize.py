@@ -20,7 +20,7 @@ from pathlib import Path
 import datasets
 from transformers import AutoTokenizer
 
-from longalign.tokenize import IGNORE_INDEX, parse_record, pre_tokenize, process_line
+from longalign.tokenize import IGNORE_INDEX, parse_record, pre_tokenize, process_line, profile_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,7 +47,11 @@ def naive_prefix_loop(lines: list[str], tokenizer, max_seq_len: int) -> int:
 
 
 def per_sample_loop(lines: list[str], tokenizer, max_seq_len: int) -> int:
-    rows = [process_line(t, tokenizer, max_seq_len=max_seq_len, truncation="right") for t in lines]
+    profile = profile_tokenizer(tokenizer)  # learned once, as the stage does
+    rows = [
+        process_line(t, tokenizer, max_seq_len=max_seq_len, truncation="right", profile=profile)
+        for t in lines
+    ]
     datasets.Dataset.from_list([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows])
     return sum(len(r["input_ids"]) for r in rows)
 

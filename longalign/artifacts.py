@@ -174,7 +174,12 @@ def _sigterm_as_exit() -> Iterator[None]:
         yield
         return
 
+    owner = os.getpid()
+
     def leave(signum: int, frame: Any) -> None:
+        if os.getpid() != owner:  # a forked worker (datasets' process pool): die as SIGTERM would
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
         raise SystemExit(128 + signum)
 
     previous = signal.signal(signal.SIGTERM, leave)

@@ -95,7 +95,7 @@ def _config_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _pre_tokenize_arguments(parser: argparse.ArgumentParser) -> None:
-    from longalign.tokenize import TRUNCATIONS
+    from longalign.tokenize import SPECIAL_TEXT_MODES, TRUNCATIONS
 
     parser.add_argument("--input", required=True, help="JSONL file, one chat record per line")
     parser.add_argument("--tokenizer", required=True, help="tokenizer directory or hub name")
@@ -112,6 +112,13 @@ def _pre_tokenize_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--chat-template", type=Path, help="Jinja file that replaces the tokenizer's chat template"
+    )
+    parser.add_argument(
+        "--special-tokens-in-text",
+        choices=SPECIAL_TEXT_MODES,
+        default="text",
+        help="message text that spells a control token (e.g. <|eot_id|>): tokenize it as the text it is "
+        "(default), or as the control token",
     )
     parser.add_argument("--trust-remote-code", action="store_true")
 
@@ -136,6 +143,7 @@ def _pre_tokenize(args: argparse.Namespace) -> int:
         truncation=args.truncation,
         num_proc=args.num_proc,
         strict=args.strict,
+        special_tokens_in_text=args.special_tokens_in_text,
     )
     print(_pre_tokenize_summary(report, args.output))
     return 0
@@ -150,6 +158,11 @@ def _pre_tokenize_summary(report: dict, output: str) -> str:
         f"dropped        {report['dropped_total']}: {dropped}",
         f"tokens         {report['total_tokens']}  (targets {report['target_tokens']})",
     ]
+    if report["samples_with_special_token_text"]:
+        lines.append(
+            f"control-token text in {report['samples_with_special_token_text']} samples, "
+            f"read as {report['special_tokens_in_text']}"
+        )
     if pct:
         lines.append(
             "length         "

@@ -102,3 +102,40 @@ def test_console_command_and_scripts_run_the_same_subcommands(tmp_path):
     )  # fmt: skip
     assert result.returncode == 2
     assert result.stderr.startswith("train.py: error: data.max_seq_len: expected int")
+
+
+def test_pre_tokenize_reads_control_token_text_as_chosen(tmp_path, capsys):
+    src = tmp_path / "in.jsonl"
+    quoting = [
+        {"role": "user", "content": "what is <|eot_id|>?"},
+        {"role": "assistant", "content": "An end."},
+    ]
+    src.write_text(json.dumps({"messages": quoting}) + "\n")
+    argv = ["pre-tokenize", "--input", str(src), "--tokenizer", str(TOKENIZER), "--max-seq-len", "64"]
+    for mode in ("text", "parse"):
+        out = tmp_path / mode
+        assert main([*argv, "--output", str(out), "--special-tokens-in-text", mode]) == 0
+        assert f"control-token text in 1 samples, read as {mode}" in capsys.readouterr().out
+        assert json.loads((out / "report.json").read_text())["special_tokens_in_text"] == mode
+
+
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_pre_tokenize_max_seq_len_below_one_names_the_flag(tmp_path, capsys, value):
+    argv = [
+        "pre-tokenize",
+        "--input",
+        str(SAMPLE),
+        "--tokenizer",
+        str(TOKENIZER),
+        "--output",
+        str(tmp_path / "o"),
+    ]
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--max-seq-len", value])
+    assert exit_.value.code == 2
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert (
+        last
+        == f"longalign pre-tokenize: error: argument --max-seq-len: expected an integer >= 1, got {value}"
+    )
+    assert not (tmp_path / "o").exists()

@@ -5,12 +5,16 @@ from __future__ import annotations
 import copy
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import datasets
 import pytest
-from transformers import AutoTokenizer
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AddedToken, AutoTokenizer
 
+import longalign.tokenize as stage
 from longalign.artifacts import read_report
 from longalign.tokenize import (
     DROP_REASONS,
@@ -18,16 +22,32 @@ from longalign.tokenize import (
     InputError,
     RecordError,
     TemplateError,
+    TurnLayout,
     check_chat_template,
+    clean_message,
     has_generation_markers,
+    linear_assistant_spans,
+    locate_contents,
+    longest_token_bytes,
+    min_tokens,
     parse_record,
     pre_tokenize,
+    prefix_assistant_spans,
+    process_line,
+    profile_tokenizer,
+    quoted_control_text,
+    render_conversation,
     tokenize_conversation,
     truncate,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATES = ROOT / "data" / "chat_templates"
+LLAMA3 = (TEMPLATES / "llama3.jinja").read_text()
+CHATML = (TEMPLATES / "chatml.jinja").read_text()
+CHATML_PLAIN = re.sub(r"\{%-?\s*(end)?generation\s*-?%\}", "", CHATML)  # the same turns, without markers
+# Llama-3 style with every message's text trimmed, as some official templates do.
+LLAMA3_TRIMMED = LLAMA3.replace("message['content']", "message['content'] | trim")
 
 # GLM-4 style: a role token opens every turn and nothing closes one, so the next role token (or EOS) ends it.
 GLM4_STYLE = (
@@ -151,15 +171,14 @@ def test_llama3_template_targets_are_answers_with_eot(base_tokenizer):
 
 
 def test_chatml_with_generation_markers(base_tokenizer):
-    tok = with_template(base_tokenizer, (TEMPLATES / "chatml.jinja").read_text())
+    tok = with_template(base_tokenizer, CHATML)
     assert has_generation_markers(tok)
     input_ids, labels = tokenize_conversation(tok, CHAT)
     assert target_runs(tok, input_ids, labels) == [a + "<|im_end|>" for a in ANSWERS]
 
 
 def test_chatml_without_markers_ends_at_im_end(base_tokenizer):
-    plain = re.sub(r"\{%-?\s*(end)?generation\s*-?%\}", "", (TEMPLATES / "chatml.jinja").read_text())
-    tok = with_template(base_tokenizer, plain)
+    tok = with_template(base_tokenizer, CHATML_PLAIN)
     assert not has_generation_markers(tok)
     input_ids, labels = tokenize_conversation(tok, CHAT)
     # The newline after <|im_end|> belongs to the template, not to the answer.
@@ -318,3 +337,481 @@ def test_parallel_tokenization_matches_serial(tmp_path, base_tokenizer):
     assert one == two
     a, b = (datasets.load_from_disk(str(tmp_path / name)) for name in ("one", "two"))
     assert a.to_dict() == b.to_dict()
+
+
+# --- hostile lines -------------------------------------------------------------------------------------
+
+
+def line_of(record) -> str:
+    return record if isinstance(record, str) else json.dumps(record)
+
+
+@pytest.mark.parametrize(
+    "line, reason, words",
+    [
+        (
+            {"messages": [{"role": ["user"], "content": "x"}, {"role": "assistant", "content": "y"}]},
+            "bad_role",
+            "message 0 has a role of type list",
+        ),
+        ({"conversations": [{"from": {"a": 1}, "value": "x"}]}, "bad_role", "of type dict"),
+        ('{"messages": [], "id": ' + "7" * 5000 + "}", "malformed_json", "4300 digits"),
+        ("[" * 1000 + "]" * 1000, "malformed_json", "recursion"),
+        ("[" * 100_000, "malformed_json", "recursion"),
+        ('{"\\ud800": 1}', "unknown_format", "keys: \\ud800"),
+        (
+            '{"messages": [{"role": "user", "content": "a\\udfff"}, {"role": "assistant", "content": "b"}]}',
+            "bad_message",
+            "message 0 content: lone surrogate \\udfff",
+        ),
+        (
+            {"messages": [{"role": "r" * 10_000, "content": "x"}, {"role": "assistant", "content": "y"}]},
+            "bad_role",
+            "rrrr...",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "text", "text": None}]},
+                    GOOD["messages"][1],
+                ]
+            },
+            "bad_message",
+            "message 0 content part 0: 'text' must be a string, got NoneType",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": 42}]}, GOOD["messages"][1]]},
+            "bad_message",
+            "got int",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text"}]}, GOOD["messages"][1]]},
+            "bad_message",
+            "message 0 content part 0: 'text' must be a string",
+        ),
+        ({"prompt": "hi", "response": [{"type": "image_url", "url": "x"}]}, "bad_message", "response part 0"),
+    ],
+)
+def test_hostile_lines_are_drops_with_a_reason(base_tokenizer, line, reason, words):
+    row = process_line(line_of(line), base_tokenizer, max_seq_len=64, truncation="right")
+    assert (row["reason"], row["input_ids"]) == (reason, [])
+    assert words in row["error"]
+    assert len(row["error"]) <= 500
+    row["error"].encode("utf-8")  # Arrow stores the message: it must be valid UTF-8
+
+
+def test_drop_messages_are_clipped_and_valid_utf8():
+    assert clean_message("fine") == "fine"
+    assert clean_message("key '\ud800'") == "key '\\ud800'"
+    long = clean_message("x" * 5000)
+    assert long.startswith("x" * 300) and long.endswith("(4700 more characters)")
+
+
+def test_bom_at_file_start_is_not_a_bad_line(tmp_path, base_tokenizer):
+    src = tmp_path / "bom.jsonl"
+    src.write_bytes(b"\xef\xbb\xbf" + json.dumps(GOOD).encode() + b"\n" + json.dumps(GOOD).encode() + b"\n")
+    report = pre_tokenize(src, base_tokenizer, tmp_path / "out", max_seq_len=64)
+    assert (report["samples_kept"], report["dropped_total"]) == (2, 0)
+
+
+@pytest.mark.parametrize("num_proc", [1, 2])
+def test_strict_stops_before_tokenizing_the_rest(tmp_path, base_tokenizer, monkeypatch, num_proc):
+    """The first bad line ends the run at once, as the same one-line RecordError in every process count."""
+    import longalign.tokenize as stage
+
+    lines_seen = []
+    real = stage.process_line
+    monkeypatch.setattr(
+        stage, "process_line", lambda text, *a, **k: lines_seen.append(text) or real(text, *a, **k)
+    )
+    src = write_jsonl(tmp_path / "in.jsonl", ["{oops"] + [GOOD] * 300)
+    with pytest.raises(RecordError) as err:
+        pre_tokenize(src, base_tokenizer, tmp_path / "out", max_seq_len=64, strict=True, num_proc=num_proc)
+    assert str(err.value).startswith(f"{src}: line 1: not valid JSON")
+    assert err.value.reason == "malformed_json" and err.value.__cause__ is None
+    if num_proc == 1:
+        assert lines_seen == ["{oops"]  # no line after the bad one was tokenized
+    assert not (tmp_path / "out").exists()
+
+
+# --- splitting a conversation into turns: linear vs growing prefixes -----------------------------------
+
+# Text that looks like the templates' own frames, to tempt a search for message text into the wrong place.
+FRAME_TEXT = [
+    "<|start_header_id|>user<|end_header_id|>\n\n",
+    "<|start_header_id|>assistant<|end_header_id|>\n\n",
+    "<|eot_id|>",
+    "<|im_start|>assistant\n",
+    "<|im_end|>\n",
+    "<|assistant|>\n",
+    "<|user|>",
+    "user",
+    "assistant",
+    "\n",
+]
+contents = st.one_of(
+    st.text(st.sampled_from("ab \n\t\r\u00e9\u4e2d\U0001f600<|>"), max_size=12),
+    st.sampled_from(FRAME_TEXT + ["", " ", "\n\n\n", "  padded  "]),
+)
+
+
+@st.composite
+def conversations(draw):
+    """Random roles in any order; text that is empty, blank, unicode, frame-like or repeats earlier text."""
+    messages = []
+    for role in draw(st.lists(st.sampled_from(["system", "user", "assistant"]), min_size=1, max_size=7)):
+        if messages and draw(st.booleans()):
+            content = draw(st.sampled_from([m["content"] for m in messages]))
+        else:
+            content = draw(contents)
+        if role == "assistant" and not content.strip():
+            content += "ok"  # blank answers are dropped before splitting (empty_assistant)
+        messages.append({"role": role, "content": content})
+    return messages
+
+
+SPLIT_TEMPLATES = {"llama3": LLAMA3, "llama3_trimmed": LLAMA3_TRIMMED, "chatml_plain": CHATML_PLAIN}
+
+
+@pytest.fixture(scope="module")
+def split_tokenizers(base_tokenizer, glm_tokenizer):
+    tokenizers = {name: with_template(base_tokenizer, t) for name, t in SPLIT_TEMPLATES.items()}
+    tokenizers["glm4_style"] = glm_tokenizer
+    return {name: (tok, profile_tokenizer(tok)) for name, tok in tokenizers.items()}
+
+
+def test_layouts_learned_from_the_probe(split_tokenizers):
+    layouts = {name: profile.layout for name, (_, profile) in split_tokenizers.items()}
+    assert layouts == {
+        "llama3": TurnLayout("", "<|eot_id|>"),
+        "llama3_trimmed": TurnLayout("", "<|eot_id|>"),
+        "chatml_plain": TurnLayout("", "<|im_end|>\n"),
+        "glm4_style": TurnLayout("", ""),
+    }
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    messages=conversations(), name=st.sampled_from(["llama3", "llama3_trimmed", "chatml_plain", "glm4_style"])
+)
+def test_linear_split_equals_growing_prefixes(split_tokenizers, messages, name):
+    tok, profile = split_tokenizers[name]
+    text, spans = prefix_assistant_spans(tok, messages)
+    contents = locate_contents(tok, messages, text)
+    assert contents is not None  # these templates copy message text (trimmed or not) into the rendering
+    assert linear_assistant_spans(text, messages, contents, profile.layout) == spans
+    rendering = render_conversation(tok, messages, profile)
+    assert (rendering.text, rendering.targets) == (text, spans)
+
+
+def test_locate_contents_is_exact_when_text_repeats_the_frame(base_tokenizer):
+    messages = [
+        {"role": "user", "content": "user"},
+        {"role": "assistant", "content": "<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nuser"},
+        {"role": "user", "content": "user"},
+    ]
+    text = base_tokenizer.apply_chat_template(messages, tokenize=False)
+    spans = locate_contents(base_tokenizer, messages, text)
+    assert [text[a:b] for a, b in spans] == [m["content"] for m in messages]
+    assert spans[0][0] == len("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n")
+
+
+def test_template_that_rewrites_text_falls_back_to_prefixes(base_tokenizer):
+    tok = with_template(base_tokenizer, LLAMA3.replace("message['content']", "message['content'] | upper"))
+    profile = profile_tokenizer(tok)
+    assert profile.layout is None  # the probe's text is not in the rendering, so nothing is learned
+    rendering = render_conversation(tok, CHAT, profile)
+    assert rendering.contents is None
+    assert (rendering.text, rendering.targets) == prefix_assistant_spans(tok, CHAT)
+
+
+def test_linear_split_renders_a_conversation_twice(base_tokenizer, monkeypatch):
+    """Two renderings (the conversation, and its skeleton) however many turns: no growing prefixes."""
+    profile = profile_tokenizer(base_tokenizer)
+    renders = []
+    real = stage._render
+    monkeypatch.setattr(stage, "_render", lambda *a, **k: renders.append(1) or real(*a, **k))
+    turns = [{"role": r, "content": f"turn {i}"} for i in range(200) for r in ("user", "assistant")]
+    rendering = render_conversation(base_tokenizer, turns, profile)
+    assert len(renders) == 2 and len(rendering.targets) == 200
+
+
+def test_sample_labels_equal_the_prefix_method(base_tokenizer):
+    """Every conversation of the shipped sample splits linearly, into exactly the prefix method's labels."""
+    profile = profile_tokenizer(base_tokenizer)
+    old = replace(profile, layout=None)  # forces growing prefixes
+    lines = (ROOT / "data" / "sample.jsonl").read_text(encoding="utf-8").splitlines()
+    for line in lines:
+        messages = parse_record(json.loads(line))
+        text = base_tokenizer.apply_chat_template(messages, tokenize=False)
+        contents = locate_contents(base_tokenizer, messages, text)
+        assert linear_assistant_spans(text, messages, contents, profile.layout) is not None
+        new = tokenize_conversation(base_tokenizer, messages, profile)
+        assert new == tokenize_conversation(base_tokenizer, messages, old)
+
+
+def test_conversation_may_open_with_the_assistant(tmp_path, base_tokenizer):
+    opening = {"messages": [{"role": "assistant", "content": "Hello! Ask me."}, GOOD["messages"][0]]}
+    for profile in (profile_tokenizer(base_tokenizer), None):
+        ids, labels = tokenize_conversation(base_tokenizer, parse_record(opening), profile)
+        assert target_runs(base_tokenizer, ids, labels) == ["Hello! Ask me.<|eot_id|>"]
+    old = replace(profile_tokenizer(base_tokenizer), layout=None)
+    assert tokenize_conversation(base_tokenizer, parse_record(opening), old) == (ids, labels)
+    report = pre_tokenize(
+        write_jsonl(tmp_path / "in.jsonl", [opening]), base_tokenizer, tmp_path / "o", max_seq_len=64
+    )
+    assert report["samples_kept"] == 1
+
+
+def test_marked_template_matches_transformers_assistant_mask(base_tokenizer):
+    tok = with_template(base_tokenizer, CHATML)
+    for line in (ROOT / "data" / "sample.jsonl").read_text(encoding="utf-8").splitlines()[:50]:
+        messages = parse_record(json.loads(line))
+        out = tok.apply_chat_template(messages, return_dict=True, return_assistant_tokens_mask=True)
+        labels = [
+            t if m else IGNORE_INDEX for t, m in zip(out["input_ids"], out["assistant_masks"], strict=True)
+        ]
+        assert tokenize_conversation(tok, messages) == (list(out["input_ids"]), labels)
+
+
+# --- the size guard: too long to fit, known before tokenizing ------------------------------------------
+
+
+def without_guard(profile):
+    return replace(profile, max_token_bytes=None)
+
+
+def test_longest_token_is_measured_in_the_bytes_it_stands_for(base_tokenizer, glm_tokenizer):
+    # Byte-level entries spell one byte per character: "ĊĠĠĠ..." (a newline and 23 spaces) is 24 bytes, not
+    # the 47 its UTF-8 spelling takes; the longest entry is a 37-byte ASCII rule, one token.
+    assert longest_token_bytes(base_tokenizer) == 37
+    assert (
+        len(base_tokenizer("+---------------+-------------------+", add_special_tokens=False)["input_ids"])
+        == 1
+    )
+    longer = copy.deepcopy(base_tokenizer)
+    longer.add_special_tokens({"additional_special_tokens": ["<|" + "x" * 60 + "|>"]})
+    assert longest_token_bytes(longer) == 64  # added tokens count by their content
+
+
+@pytest.fixture(scope="module")
+def bounded_tokenizers(base_tokenizer, glm_tokenizer):
+    """The shipped vocabulary, the GLM-4-style one, and one whose <mask> swallows whitespace on both sides."""
+    greedy = copy.deepcopy(base_tokenizer)
+    greedy.add_special_tokens({"additional_special_tokens": [AddedToken("<mask>", lstrip=True, rstrip=True)]})
+    bounded = []
+    for tok in (base_tokenizer, glm_tokenizer, greedy):
+        profile = profile_tokenizer(tok)
+        bounded.append((tok, profile.max_token_bytes, profile.strips_whitespace))
+    assert [strips for *_, strips in bounded] == [False, False, True]
+    return bounded
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    text=st.lists(
+        st.sampled_from(
+            ["a", "b", " ", "\n", "\u00e9", "\u4e2d", "\U0001f600", "<|eot_id|>", "<|user|>", "<mask>"]
+        )
+        | st.just("+---------------+-------------------+")
+        | st.just(" " * 50),
+        max_size=60,
+    ).map("".join)
+)
+def test_min_tokens_never_exceeds_the_tokenization(bounded_tokenizers, text):
+    for tok, longest, strips in bounded_tokenizers:
+        fewest = min_tokens(text, longest, strips_whitespace=strips)
+        assert fewest <= len(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def test_min_tokens_counts_bytes():
+    assert min_tokens("h\u00e9llo", 4) == 2  # 6 bytes
+    assert min_tokens("ab" * 10, 5) == 4
+    assert min_tokens("a" + " " * 100 + "b", 1, strips_whitespace=True) == 2
+    assert min_tokens("", 3) == 0
+
+
+HUGE = "word " * 2000  # 10,000 bytes: at least 271 tokens of this vocabulary, and ~2,000 really
+
+
+@pytest.mark.parametrize(
+    "truncation, messages, words",
+    [
+        ("drop", [{"role": "user", "content": "hi"}, {"role": "assistant", "content": HUGE}], "at least"),
+        (
+            "right",
+            [{"role": "user", "content": HUGE}, {"role": "assistant", "content": "ok"}],
+            "before the first",
+        ),
+        (
+            "left",
+            [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": HUGE},
+            ],
+            "after the last",
+        ),
+    ],
+)
+def test_size_guard_drops_before_tokenizing(base_tokenizer, monkeypatch, truncation, messages, words):
+    profile = profile_tokenizer(base_tokenizer)
+    line = json.dumps({"messages": messages})
+    unguarded = process_line(
+        line, base_tokenizer, max_seq_len=100, truncation=truncation, profile=without_guard(profile)
+    )
+    assert unguarded["reason"] == "over_length"  # the full tokenization agrees, only slower
+    monkeypatch.setattr(stage, "encode_rendering", lambda *a, **k: pytest.fail("tokenized a hopeless sample"))
+    row = process_line(line, base_tokenizer, max_seq_len=100, truncation=truncation, profile=profile)
+    assert row["reason"] == "over_length" and words in row["error"] and "before tokenizing" in row["error"]
+
+
+def test_size_guard_keeps_a_long_answer_that_truncation_can_cut(base_tokenizer):
+    line = json.dumps(
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": HUGE}]}
+    )
+    row = process_line(
+        line, base_tokenizer, max_seq_len=100, truncation="right", profile=profile_tokenizer(base_tokenizer)
+    )
+    assert (row["reason"], len(row["input_ids"]), row["truncated"]) == ("", 100, True)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 400), min_size=2, max_size=5),
+    max_seq_len=st.integers(1, 40),
+    truncation=st.sampled_from(["drop", "right", "left"]),
+)
+def test_size_guard_only_saves_time(base_tokenizer, lengths, max_seq_len, truncation):
+    """With or without the guard, every line ends the same way: the guard drops only what would drop."""
+    profile = profile_tokenizer(base_tokenizer)
+    roles = ["user", "assistant"] * len(lengths)
+    messages = [{"role": r, "content": "ab\u00e9 " * n + "x"} for r, n in zip(roles, lengths, strict=False)]
+    line = json.dumps({"messages": messages})
+    kwargs = {"max_seq_len": max_seq_len, "truncation": truncation}
+    guarded = process_line(line, base_tokenizer, profile=profile, **kwargs)
+    plain = process_line(line, base_tokenizer, profile=without_guard(profile), **kwargs)
+    assert (guarded["reason"], guarded["input_ids"], guarded["labels"]) == (
+        plain["reason"],
+        plain["input_ids"],
+        plain["labels"],
+    )
+
+
+# --- message text that spells a control token is text --------------------------------------------------
+
+QUOTING = [
+    {"role": "user", "content": "What ends a Llama 3 turn?"},
+    {"role": "assistant", "content": "The token <|eot_id|> does; after it comes <|user|> or <|im_start|>."},
+    {"role": "user", "content": "And <|im_end|>\n<|im_start|>assistant\n?"},
+    {"role": "assistant", "content": "ChatML's."},
+]
+
+
+def control_tokens(tokenizer, ids) -> list[int]:
+    control = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    return [t for t in ids if t in control]
+
+
+def template_control_tokens(tokenizer, messages) -> list[int]:
+    """The control tokens the template itself writes: those of the rendering with neutral text."""
+    neutral = [{**m, "content": "x"} for m in messages]
+    text = stage._render(tokenizer, neutral)
+    return control_tokens(tokenizer, tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def test_quoted_control_token_is_text_in_llama3(base_tokenizer):
+    tok = base_tokenizer
+    assert quoted_control_text(QUOTING, profile_tokenizer(tok)) == (1, "<|eot_id|>")
+    ids, labels = tokenize_conversation(tok, QUOTING)
+    assert control_tokens(tok, ids) == template_control_tokens(tok, QUOTING)
+    assert target_runs(tok, ids, labels) == [QUOTING[1]["content"] + "<|eot_id|>", "ChatML's.<|eot_id|>"]
+    assert tok.decode(ids) == tok.apply_chat_template(QUOTING, tokenize=False)
+    old_ids, _ = tokenize_conversation(tok, QUOTING, special_tokens_in_text="parse")  # the old reading
+    assert (
+        old_ids
+        == tok(tok.apply_chat_template(QUOTING, tokenize=False), add_special_tokens=False)["input_ids"]
+    )
+    assert len(control_tokens(tok, old_ids)) > len(control_tokens(tok, ids))
+
+
+def test_quoted_role_token_no_longer_cuts_a_glm4_answer_short(glm_tokenizer):
+    tok = glm_tokenizer
+    ids, labels = tokenize_conversation(tok, QUOTING)
+    assert target_runs(tok, ids, labels) == [QUOTING[1]["content"] + "<|user|>", "ChatML's." + tok.eos_token]
+    old_ids, old_labels = tokenize_conversation(tok, QUOTING, special_tokens_in_text="parse")
+    # read as control tokens, the quoted ones end the answer early: its last words are never learned
+    cut = "The token <|eot_id|> does; after it comes <|user|> or <|im_start|>"
+    assert target_runs(tok, old_ids, old_labels)[0] == cut
+
+
+def test_quoted_control_token_is_text_with_generation_markers(base_tokenizer):
+    tok = with_template(base_tokenizer, CHATML)
+    ids, labels = tokenize_conversation(tok, QUOTING)
+    assert control_tokens(tok, ids) == template_control_tokens(tok, QUOTING)
+    assert target_runs(tok, ids, labels) == [QUOTING[1]["content"] + "<|im_end|>", "ChatML's.<|im_end|>"]
+
+
+@settings(max_examples=100, deadline=None)
+@given(messages=conversations(), name=st.sampled_from(["llama3", "chatml_plain", "glm4_style", "chatml"]))
+def test_message_text_never_adds_a_control_token(quoting_tokenizers, messages, name):
+    """Only the template writes control tokens, and the text still reads back whole."""
+    tok, profile = quoting_tokenizers[name]
+    ids, labels = tokenize_conversation(tok, messages, profile)
+    text = stage._render(tok, messages)
+    if name == "glm4_style" and messages[-1]["role"] == "assistant":
+        ids = ids[:-1]  # the EOS a GLM-4-style final turn borrows
+    assert control_tokens(tok, ids) == template_control_tokens(tok, messages)
+    assert tok.decode(ids) == text
+
+
+@pytest.fixture(scope="module")
+def quoting_tokenizers(split_tokenizers, base_tokenizer):
+    tok = with_template(base_tokenizer, CHATML)
+    return {**split_tokenizers, "chatml": (tok, profile_tokenizer(tok))}
+
+
+def test_quoting_under_a_template_that_rewrites_text_is_a_drop(base_tokenizer):
+    tok = with_template(base_tokenizer, LLAMA3.replace("message['content']", "message['content'] | upper"))
+    line = json.dumps({"messages": QUOTING})
+    row = process_line(line, tok, max_seq_len=256, truncation="right")
+    assert row["reason"] == "template_error" and "--special-tokens-in-text parse" in row["error"]
+    row = process_line(line, tok, max_seq_len=256, truncation="right", special_tokens_in_text="parse")
+    assert row["reason"] == "" and row["special_text"]
+
+
+def test_report_counts_samples_that_quote_control_tokens(tmp_path, base_tokenizer):
+    src = write_jsonl(tmp_path / "in.jsonl", [GOOD, {"messages": QUOTING}, GOOD])
+    for mode in ("text", "parse"):
+        report = pre_tokenize(
+            src, base_tokenizer, tmp_path / mode, max_seq_len=256, special_tokens_in_text=mode
+        )
+        assert report["samples_with_special_token_text"] == 1 and report["special_tokens_in_text"] == mode
+    text, parse = (datasets.load_from_disk(str(tmp_path / m))[1]["input_ids"] for m in ("text", "parse"))
+    assert text != parse
+    with pytest.raises(ValueError, match="special_tokens_in_text"):
+        pre_tokenize(src, base_tokenizer, tmp_path / "x", max_seq_len=256, special_tokens_in_text="keep")
+
+
+# --- errors before work --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("max_seq_len", [0, -5])
+def test_max_seq_len_below_one_fails_before_reading_input(tmp_path, base_tokenizer, max_seq_len):
+    with pytest.raises(ValueError, match=f"max_seq_len must be >= 1, got {max_seq_len}$"):
+        pre_tokenize(tmp_path / "not-there.jsonl", base_tokenizer, tmp_path / "out", max_seq_len=max_seq_len)
+
+
+def test_file_that_gives_no_sample_is_an_error_and_writes_nothing(tmp_path, base_tokenizer):
+    out = tmp_path / "out"
+    pre_tokenize(write_jsonl(tmp_path / "ok.jsonl", [GOOD]), base_tokenizer, out, max_seq_len=64)
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("\n  \n\t\n")
+    with pytest.raises(InputError, match=f"{blank}: no line became a sample .*3 lines read.*empty_line 3"):
+        pre_tokenize(blank, base_tokenizer, out, max_seq_len=64)
+    assert read_report(out)["lines_read"] == 1  # the earlier output stands
+    with pytest.raises(InputError, match="over_length 1"):
+        pre_tokenize(
+            write_jsonl(tmp_path / "long.jsonl", [LONG]), base_tokenizer, tmp_path / "o2", max_seq_len=8
+        )
+    assert not (tmp_path / "o2").exists()
