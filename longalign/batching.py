@@ -36,13 +36,15 @@ import pyarrow.compute as pc
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-# How the loss counts samples: every sample equally (LongAlign), or every target token equally.
-WEIGHTINGS = ("sequence_level", "token_level")
+# How the loss counts: every sample equally (LongAlign) or every target token equally, exactly over the
+# whole step; then two references that reproduce what released code computes (see PackCollator).
+EXACT_WEIGHTINGS = ("sequence_level", "token_level")
+WEIGHTINGS = (*EXACT_WEIGHTINGS, "pack_token_mean", "longwriter")
 
 
-def _check_weighting(weighting: str) -> None:
-    if weighting not in WEIGHTINGS:
-        raise ValueError(f"weighting: {weighting!r} is not one of {', '.join(WEIGHTINGS)}")
+def _check_weighting(weighting: str, allowed: tuple[str, ...] = WEIGHTINGS) -> None:
+    if weighting not in allowed:
+        raise ValueError(f"weighting: {weighting!r} is not one of {', '.join(allowed)}")
 
 
 def mask_and_weigh(
@@ -57,7 +59,7 @@ def mask_and_weigh(
         seq_lens [3, 2, 1], labels [-, 7, 8, 5, 6, 9]
         -> labels [-, 7, 8, -, 6, -], sequence_level weights [0, .5, .5, 0, 1, 0]  (sum 2 = M)
     """
-    _check_weighting(weighting)
+    _check_weighting(weighting, EXACT_WEIGHTINGS)
     labels = labels.clone()
     starts = torch.cumsum(seq_lens, 0) - seq_lens
     labels[starts[seq_lens > 0]] = ignore_index
@@ -78,14 +80,27 @@ class PackCollator:
     ``active: False``: a filler row (see :class:`PackBatchSampler`) whose tokens run but whose labels are
     all masked, so it weighs nothing. Returns ``input_ids``, ``labels``, ``position_ids`` and
     ``loss_weights`` of shape ``[1, T]``, ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (int32, equal),
-    ``max_length_q`` / ``max_length_k`` (int), and the counts ``num_packs`` / ``num_samples`` of the
-    active rows; see the module docstring for a worked example. ``loss_weights.sum()`` over all
-    micro-batches and ranks of a step is the step's denominator D: sum_i N_i (``token_level``, exact) or M
-    (``sequence_level``, up to float32 rounding of the 1 / N_i, about 1e-7 relative).
+    ``max_length_q`` / ``max_length_k`` (int), ``loss_denominator`` (float: this micro-batch's share of
+    the step's denominator D) and the counts ``num_packs`` / ``num_samples`` of the active rows; see the
+    module docstring for a worked example. The step's loss is sum(w * CE) / sum(loss_denominator) over all
+    micro-batches and ranks of the step. Per weighting, with N_i the targets of sample i:
+
+    - ``token_level``: w = 1, denominator = sum of w: the step's mean over target tokens (exact).
+    - ``sequence_level``: w = 1 / N_i, denominator = sum of w = M, the samples with targets: the mean over
+      samples of each sample's mean (exact, up to float32 rounding of the 1 / N_i, about 1e-7 relative).
+    - ``pack_token_mean`` (reference): w = 1 / (targets of the micro-batch), denominator 1 per micro-batch
+      with targets: each micro-batch's token mean over its packs, averaged over micro-batches and ranks,
+      which is "packing without loss weighting" as released code computes it.
+    - ``longwriter`` (reference): in pack p with n_p samples and N_p targets, w = n_p / (divisor * N_p),
+      denominator 1 per pack with targets: each pack's token mean times its sample count divided by a
+      constant, averaged over packs, as LongWriter's released objective computes it (divisor 30).
+
+    The references depend on how samples are split into packs and micro-batches; the exact two do not.
     """
 
     weighting: str = "sequence_level"
     ignore_index: int = -100
+    longwriter_divisor: float = 30.0
 
     def __post_init__(self) -> None:
         _check_weighting(self.weighting)
@@ -105,7 +120,15 @@ class PackCollator:
                 for row, on in zip(rows, active, strict=True)
             ]
         )
-        labels, weights = mask_and_weigh(labels, seq_lens, self.weighting, self.ignore_index)
+        exact = self.weighting in EXACT_WEIGHTINGS
+        labels, weights = mask_and_weigh(
+            labels, seq_lens, self.weighting if exact else "token_level", self.ignore_index
+        )
+        denominator = float(weights.double().sum())
+        if self.weighting == "pack_token_mean" and denominator:
+            weights, denominator = weights / denominator, 1.0
+        elif self.weighting == "longwriter":
+            weights, denominator = _longwriter_weights(weights, per_row, self.longwriter_divisor)
         cu_seq_lens = torch.nn.functional.pad(torch.cumsum(seq_lens, 0), (1, 0)).to(torch.int32)
         starts = torch.repeat_interleave(cu_seq_lens[:-1].long(), seq_lens)
         position_ids = torch.arange(len(input_ids)) - starts
@@ -119,9 +142,23 @@ class PackCollator:
             "max_length_q": max_length,
             "max_length_k": max_length,
             "loss_weights": weights[None],
+            "loss_denominator": denominator,
             "num_packs": sum(active),
             "num_samples": sum(len(lens) for lens, on in zip(per_row, active, strict=True) if on),
         }
+
+
+def _longwriter_weights(
+    target_mask: torch.Tensor, per_row: list[torch.Tensor], divisor: float
+) -> tuple[torch.Tensor, float]:
+    """Per-token weights n_p / (divisor * N_p) in each pack row p, and the number of rows with targets."""
+    parts = target_mask.split([int(lens.sum()) for lens in per_row])
+    weighted, packs = [], 0
+    for mask, lens in zip(parts, per_row, strict=True):
+        targets = float(mask.sum())
+        weighted.append(mask * (len(lens) / (divisor * targets)) if targets else mask)
+        packs += targets > 0
+    return torch.cat(weighted), float(packs)
 
 
 def _seq_lens_of_pack(index: int, row: Mapping[str, Any]) -> torch.Tensor:
@@ -156,9 +193,9 @@ class PaddedCollator:
     pad_token_id: int = 0  # any id works: padded positions are masked out of attention and loss
 
     def __post_init__(self) -> None:
-        _check_weighting(self.weighting)
+        _check_weighting(self.weighting, EXACT_WEIGHTINGS)
 
-    def __call__(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+    def __call__(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         if not rows:
             raise ValueError("PaddedCollator: got an empty list of sample rows")
         seq_lens = torch.tensor([len(row["input_ids"]) for row in rows])
@@ -174,6 +211,7 @@ class PaddedCollator:
             "attention_mask": pad([torch.ones(n, dtype=torch.long) for n in lengths], batch_first=True),
             "labels": pad(labels.split(lengths), batch_first=True, padding_value=self.ignore_index),
             "loss_weights": pad(weights.split(lengths), batch_first=True),
+            "loss_denominator": float(weights.double().sum()),
         }
 
 

@@ -198,6 +198,14 @@ def _pack_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--drop-long", action="store_true", help="leave out samples over --max-seq-len instead of failing"
     )
+    parser.add_argument(
+        "--min-seq-len", type=_at_least(0), default=0, help="leave out samples with fewer tokens (counted)"
+    )
+    parser.add_argument(
+        "--max-seq-len-filter",
+        type=_at_least(1),
+        help="leave out samples with more tokens (counted, never truncated); at most --max-seq-len",
+    )
 
 
 def _pack(args: argparse.Namespace) -> int:
@@ -211,6 +219,8 @@ def _pack(args: argparse.Namespace) -> int:
         seed=args.seed,
         batch_size=args.batch_size,
         drop_long=args.drop_long,
+        min_sample_len=args.min_seq_len,
+        max_sample_len=args.max_seq_len_filter,
     )
     _plot_packing(report, Path(args.output) / PLOT_NAME)
     print(_pack_summary(report, args.output))
@@ -243,7 +253,11 @@ def _plot_packing(report: dict, path: Path) -> None:
 
 
 def _pack_summary(report: dict, output: str) -> str:
-    dropped = report["dropped_long"]
+    dropped = ", ".join(
+        f"{reason} {d['samples']:,} ({d['tokens']:,} tokens)"
+        for reason, d in report["dropped"].items()
+        if d["samples"]
+    )
     per_pack, fill = report["samples_per_pack"], report["fill"]
     cost = report["attention_cost"]
     bound = ""
@@ -253,8 +267,7 @@ def _pack_summary(report: dict, output: str) -> str:
         )
     lines = [
         f"strategy       {report['strategy']}  max_seq_len {report['max_seq_len']}  seed {report['seed']}",
-        f"samples        {report['samples']:,} packed of {report['samples_in']:,}"
-        f"  (dropped as too long: {dropped['samples']:,}, {dropped['tokens']:,} tokens)",
+        f"samples        {report['samples']:,} packed of {report['samples_in']:,}  (left out: {dropped or 'none'})",
         f"tokens         {report['tokens']:,}",
         f"rows           {report['packs']:,}" + bound,
         f"efficiency     {report['efficiency']:.4%}",

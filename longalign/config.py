@@ -60,11 +60,20 @@ class DataConfig:
     train_file: str = ""  # pre-tokenized dir (packed on the fly, cached) or packed dir (used as is)
     eval_file: str | None = None  # same kinds as train_file; eval loss uses the same weighting
     max_seq_len: int = 65536  # token budget of one pack
+    min_seq_len: int = 0  # samples with fewer tokens are dropped when packing (counted)
+    max_seq_len_filter: int | None = None  # samples with more tokens are dropped, not truncated (counted)
     packed_cache_dir: str | None = None  # where on-the-fly packs go; default: <output_dir>/packed
 
     def __post_init__(self) -> None:
         if self.max_seq_len < 1:
             raise ConfigError(f"data.max_seq_len: must be >= 1, got {self.max_seq_len}")
+        if self.min_seq_len < 0:
+            raise ConfigError(f"data.min_seq_len: must be >= 0, got {self.min_seq_len}")
+        if self.max_seq_len_filter is not None and not 1 <= self.max_seq_len_filter <= self.max_seq_len:
+            raise ConfigError(
+                f"data.max_seq_len_filter: must be between 1 and data.max_seq_len ({self.max_seq_len}), "
+                f"got {self.max_seq_len_filter}"
+            )
 
 
 @dataclass
@@ -73,10 +82,16 @@ class PackingConfig:
     batch_size: int = 8  # samples per batch for the sorted strategy
     seed: int = 42  # pack order and sorted-batch shuffle
     drop_long: bool = False  # drop samples over max_seq_len instead of failing
+    attention_mask_type: str = "1d_varlen"  # the only mode: sample boundaries as cu_seqlens
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ConfigError(f"packing.strategy: {self.strategy!r} is not one of {', '.join(STRATEGIES)}")
+        if self.attention_mask_type != "1d_varlen":
+            raise ConfigError(
+                f'packing.attention_mask_type: {self.attention_mask_type!r} is not supported; only "1d_varlen": '
+                "samples are kept apart by cu_seqlens in varlen attention, without a 2D mask of T x T entries"
+            )
         if self.batch_size < 1:
             raise ConfigError(f"packing.batch_size: must be >= 1, got {self.batch_size}")
         if self.seed < 0:
@@ -85,15 +100,20 @@ class PackingConfig:
 
 @dataclass
 class LossConfig:
-    weighting: str = "sequence_level"  # sequence_level (LongAlign: samples equal) | token_level
+    weighting: str = (
+        "sequence_level"  # sequence_level (LongAlign) | token_level | pack_token_mean | longwriter
+    )
     ignore_index: int = -100  # label value that is not a target
     chunk_size: int = 4096  # tokens per logits chunk; smaller saves memory, larger is faster
+    longwriter_divisor: float = 30.0  # the constant of the longwriter reference loss
 
     def __post_init__(self) -> None:
         if self.weighting not in WEIGHTINGS:
             raise ConfigError(f"loss.weighting: {self.weighting!r} is not one of {', '.join(WEIGHTINGS)}")
         if self.chunk_size < 1:
             raise ConfigError(f"loss.chunk_size: must be >= 1, got {self.chunk_size}")
+        if self.longwriter_divisor <= 0:
+            raise ConfigError(f"loss.longwriter_divisor: must be > 0, got {self.longwriter_divisor}")
 
 
 @dataclass
@@ -184,8 +204,11 @@ class Alias:
 
 
 ALIASES = {
+    "data.packing": Alias("packing.strategy", {False: "none"}, excludes={True: ("none",)}),
+    "data.sort_by_length": Alias("packing.strategy", {True: "sorted"}, excludes={False: ("sorted",)}),
     "packing.packing": Alias("packing.strategy", {False: "none"}, excludes={True: ("none",)}),
     "packing.sort_by_length": Alias("packing.strategy", {True: "sorted"}, excludes={False: ("sorted",)}),
+    "loss.normalize_by_tokens": Alias("loss.weighting", {True: "token_level", False: "sequence_level"}),
     # true lets `auto` pick flash-attn where it runs; false pins the exact per-sample path.
     "model.use_flash_attention": Alias(
         "model.attn_backend", {False: "sdpa_segments"}, excludes={True: ("sdpa_segments",)}

@@ -350,16 +350,22 @@ def write_packs(
     seed: int = 0,
     batch_size: int = 1,
     drop_long: bool = False,
+    min_sample_len: int = 0,
+    max_sample_len: int | None = None,
     replace: bool = True,
 ) -> dict[str, Any]:
     """Pack the pre-tokenized dataset at ``tokenized_dir`` into ``output_dir``; return the report.
 
     Packs from the ``length`` column, then gathers tokens ``_WRITE_BATCH_TOKENS`` at a time, so token
-    lists never become Python objects. A sample longer than ``max_seq_len`` is an error naming its line,
-    unless ``drop_long`` (then it is left out and counted in the report). The output is checked before
+    lists never become Python objects. Samples are left out and counted in the report's ``dropped``:
+    ``under_min_length`` (fewer than ``min_sample_len`` tokens), ``over_max_length`` (more than
+    ``max_sample_len``, a filter at most ``max_seq_len``) and ``too_long`` (more than ``max_seq_len`` with
+    ``drop_long``; without it such a sample is an error naming its line). The output is checked before
     any work and appears complete or not at all (see ``longalign.artifacts.stage_output``, which also
     says what ``replace=False`` does).
     """
+    if max_sample_len is not None and not 1 <= max_sample_len <= max_seq_len:
+        raise ValueError(f"max_sample_len {max_sample_len}: must be between 1 and max_seq_len={max_seq_len}")
     check_output(output_dir, inputs=[tokenized_dir])
     samples = load_stage(tokenized_dir, required_columns=SAMPLE_COLUMNS).data.table
     if samples.num_rows == 0:
@@ -367,7 +373,12 @@ def write_packs(
     lengths = samples["length"].to_numpy().astype(np.int64)
     lines = samples["line"].to_numpy()
     _check_lengths_match(lengths, samples["input_ids"], lines)
-    too_long = lengths > max_seq_len
+    left_out = {
+        "under_min_length": lengths < min_sample_len,
+        "over_max_length": lengths > (max_sample_len if max_sample_len is not None else np.inf),
+    }
+    left_out["too_long"] = (lengths > max_seq_len) & ~left_out["over_max_length"]
+    too_long = left_out["too_long"]
     if too_long.any() and not drop_long:
         i = int(np.flatnonzero(too_long)[0])
         raise ValueError(
@@ -375,21 +386,23 @@ def write_packs(
             f"({int(too_long.sum())} such samples); leave them out with --drop-long (longalign pack) "
             "or packing.drop_long = true (a run file)"
         )
-    kept = np.flatnonzero(~too_long)
+    kept = np.flatnonzero(~np.logical_or.reduce(list(left_out.values())))
     if kept.size == 0:
-        raise ValueError(
-            f"{tokenized_dir}: all {len(lengths)} samples are longer than max_seq_len={max_seq_len}"
-        )
+        counts = ", ".join(f"{reason} {int(mask.sum())}" for reason, mask in left_out.items() if mask.any())
+        raise ValueError(f"{tokenized_dir}: none of the {len(lengths)} samples is left to pack ({counts})")
     packs = pack(lengths[kept], max_seq_len, strategy, seed=seed, batch_size=batch_size)
     report = {
         "input": str(tokenized_dir),
         "seed": seed,
         "batch_size": batch_size,
         "samples_in": len(lengths),
-        "dropped_long": {
-            "samples": int(too_long.sum()),
-            "tokens": int(lengths[too_long].sum()),
-            "first_lines": lines[too_long][:MAX_REPORTED_LINES].tolist(),
+        "dropped": {
+            reason: {
+                "samples": int(mask.sum()),
+                "tokens": int(lengths[mask].sum()),
+                "first_lines": lines[mask][:MAX_REPORTED_LINES].tolist(),
+            }
+            for reason, mask in left_out.items()
         },
         **packing_report(lengths[kept], packs, max_seq_len, strategy=strategy),
     }

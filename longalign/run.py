@@ -103,6 +103,9 @@ def resolve_packs(path: str, cfg: Config, args: TrainingArguments):
     """
     dataset = load_stage(path)
     if "cu_seqlens" in dataset.column_names:
+        for key in ("min_seq_len", "max_seq_len_filter"):
+            if cfg.source(f"data.{key}") != "default":
+                raise ConfigError(f"data.{key}: filters samples when packing, but {path} is packed already")
         return check_packs(dataset, path, cfg)
     if "length" not in dataset.column_names:
         raise ConfigError(
@@ -115,6 +118,8 @@ def resolve_packs(path: str, cfg: Config, args: TrainingArguments):
         "batch_size": packing.batch_size if packing.strategy == "sorted" else 1,
         "seed": packing.seed,
         "drop_long": packing.drop_long,
+        "min_sample_len": cfg.data.min_seq_len,
+        "max_sample_len": cfg.data.max_seq_len_filter,
     }
     source = Path(path)
     key = hashlib.sha256(
@@ -205,6 +210,7 @@ def build_trainer(cfg: Config) -> LongAlignTrainer:
         eval_dataset=eval_packs,
         processing_class=tokenizer,
         weighting=cfg.loss.weighting,
+        longwriter_divisor=cfg.loss.longwriter_divisor,
         max_seq_len=cfg.data.max_seq_len,
         loss_chunk_size=cfg.loss.chunk_size,
         ignore_index=cfg.loss.ignore_index,

@@ -1,10 +1,10 @@
 """LongAlignTrainer: a ``transformers.Trainer`` that trains on packs with an exactly normalised weighted loss.
 
 One optimizer step sees G = gradient_accumulation_steps micro-batches on each of W ranks. Before the first
-backward of the step, the trainer sums the loss weights of all G x W micro-batches into the step's
+backward of the step, the trainer sums the loss denominators of all G x W micro-batches into the step's
 denominator D (sum of N_i for ``token_level``, the number of samples M for ``sequence_level``; see
-``longalign.batching``). Each micro-batch then backpropagates ``S_local / D * W``, where ``S_local`` is its
-weighted loss sum: DDP, FSDP and DeepSpeed average gradients over ranks, so the step's gradient is the
+``longalign.batching``, which also defines two reference weightings). Each micro-batch then backpropagates
+``S_local / D * W``, where ``S_local`` is its weighted loss sum: DDP, FSDP and DeepSpeed average gradients over ranks, so the step's gradient is the
 gradient of ``sum(S) / D`` however the samples were split into packs, micro-batches and ranks::
 
     step with G = 2, W = 2                 rank 0            rank 1
@@ -62,6 +62,7 @@ class LongAlignTrainer(Trainer):
         self,
         *args: Any,
         weighting: str = "sequence_level",
+        longwriter_divisor: float = 30.0,
         max_seq_len: int | None = None,
         loss_chunk_size: int = 4096,
         ignore_index: int = -100,
@@ -69,7 +70,12 @@ class LongAlignTrainer(Trainer):
         run_record: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        kwargs.setdefault("data_collator", PackCollator(weighting=weighting, ignore_index=ignore_index))
+        kwargs.setdefault(
+            "data_collator",
+            PackCollator(
+                weighting=weighting, ignore_index=ignore_index, longwriter_divisor=longwriter_divisor
+            ),
+        )
         super().__init__(*args, **kwargs)
         self.max_seq_len = max_seq_len
         self.loss_chunk_size = loss_chunk_size
@@ -145,7 +151,7 @@ class LongAlignTrainer(Trainer):
                 break
         local = torch.tensor(
             [
-                sum(float(b["loss_weights"].double().sum()) for b in batches),
+                sum(b["loss_denominator"] for b in batches),
                 sum(b["input_ids"].numel() for b in batches if b["num_packs"]),
                 sum(b["num_samples"] for b in batches),
                 sum(b["num_packs"] for b in batches),
@@ -168,7 +174,7 @@ class LongAlignTrainer(Trainer):
             model, inputs, chunk_size=self.loss_chunk_size, ignore_index=self.ignore_index
         )
         if num_items_in_batch is None:  # a lone micro-batch (e.g. a probe): normalise by itself
-            num_items_in_batch = inputs["loss_weights"].sum()
+            num_items_in_batch = torch.tensor(inputs["loss_denominator"], device=total.device)
         # D == 0 only when no sample of the step has a target: the loss and gradient are then 0.
         loss = total / num_items_in_batch.clamp(min=1e-12) * self.accelerator.num_processes
         return (loss, None) if return_outputs else loss
@@ -178,7 +184,8 @@ class LongAlignTrainer(Trainer):
     def evaluate(
         self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"
     ) -> dict[str, float]:
-        """Weighted eval loss over the whole eval set: sum(S) / sum(weights), the same whatever the packing."""
+        """Weighted eval loss over the whole eval set: sum(S) / sum(denominators); for the exact weightings
+        the same whatever the packing."""
         loader = self.get_eval_dataloader(eval_dataset)
         model = self.model
         model.eval()
@@ -193,7 +200,7 @@ class LongAlignTrainer(Trainer):
                 sums += torch.stack(
                     [
                         total.double(),
-                        batch["loss_weights"].double().sum(),
+                        torch.tensor(batch["loss_denominator"], dtype=torch.float64, device=sums.device),
                         torch.tensor(batch["num_samples"]).double().to(sums.device),
                     ]
                 )

@@ -49,6 +49,29 @@ def test_pack_collator_sequence_level_weights():
     assert weights.sum() == 3  # M
 
 
+def test_reference_weightings_on_the_hand_drawn_packs():
+    """5 targets in the micro-batch: A has 2, B 1 (pack 0, 2 samples), C 2 (pack 1, 1 sample)."""
+    mean = PackCollator(weighting="pack_token_mean")(PACKS)
+    torch.testing.assert_close(mean["loss_weights"], torch.tensor([[0, 0.2, 0.2, 0, 0.2, 0, 0.2, 0.2]]))
+    assert mean["loss_denominator"] == 1.0  # one micro-batch
+    writer = PackCollator(weighting="longwriter", longwriter_divisor=30.0)(PACKS)
+    pack0, pack1 = 2 / (30 * 3), 1 / (30 * 2)  # n_p / (divisor * N_p)
+    torch.testing.assert_close(
+        writer["loss_weights"], torch.tensor([[0, pack0, pack0, 0, pack0, 0, pack1, pack1]])
+    )
+    assert writer["loss_denominator"] == 2.0  # two packs with targets
+    exact = PackCollator(weighting="token_level")(PACKS)
+    assert exact["loss_denominator"] == 5.0 == exact["loss_weights"].sum()
+
+
+def test_a_filler_row_adds_nothing_to_any_denominator():
+    rows = [PACKS[0], {**PACKS[1], "active": False}]
+    assert PackCollator(weighting="longwriter")(rows)["loss_denominator"] == 1.0
+    assert (
+        PackCollator(weighting="pack_token_mean")([{**PACKS[1], "active": False}])["loss_denominator"] == 0.0
+    )
+
+
 def test_samples_without_targets_weigh_nothing():
     # B's only target is its first label, which the boundary rule masks: N_B = 0.
     pack = {"input_ids": [1, 2, 3, 4, 5, 6], "labels": [X, 2, 3, X, X, 6], "cu_seqlens": [0, 3, 4, 6]}
@@ -80,6 +103,8 @@ def test_pack_collator_names_a_bad_row():
         PackCollator()([PACKS[1], bad])
     with pytest.raises(ValueError, match="weighting: 'sample'"):
         PackCollator(weighting="sample")
+    with pytest.raises(ValueError, match="weighting: 'longwriter' is not one of sequence_level, token_level"):
+        PaddedCollator(weighting="longwriter")
 
 
 def test_padded_collator_matches_pack_semantics():

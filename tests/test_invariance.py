@@ -78,3 +78,30 @@ def test_step_gradient_is_the_gradient_of_the_defined_loss(weighting, reference)
         loss = sum(s / n for s, n in per_sample) / len(per_sample)
     loss.backward()
     assert_same({name: p.grad for name, p in model.named_parameters()}, reference)
+
+
+@pytest.mark.parametrize("weighting", ["pack_token_mean", "longwriter"])
+def test_reference_weightings_are_the_released_formulas(weighting):
+    """Two samples per pack, one pack per micro-batch, four micro-batches: the trainer's step gradient is
+    the gradient of the formula computed sample by sample with full logits."""
+    per_pack = 2
+    model = tiny_model(backend="sdpa_segments")
+    ce_sums, targets = [], []
+    for ids, labels in samples():
+        logits = model(input_ids=torch.tensor([ids])).logits[0]
+        next_labels = torch.tensor(labels[1:])
+        ce = torch.nn.functional.cross_entropy(logits[:-1], next_labels, ignore_index=-100, reduction="none")
+        ce_sums.append(ce.sum())
+        targets.append(int((next_labels != -100).sum()))
+    packs = [range(start, start + per_pack) for start in range(0, N, per_pack)]
+    terms = []
+    for pack in packs:  # here a micro-batch is one pack
+        pack_targets = sum(targets[i] for i in pack)
+        if not pack_targets:
+            continue
+        pack_mean = sum(ce_sums[i] for i in pack) / pack_targets
+        terms.append(pack_mean if weighting == "pack_token_mean" else pack_mean * len(pack) / 30.0)
+    loss = sum(terms) / len(terms)
+    loss.backward()
+    got = one_step(weighting, samples_per_pack=per_pack, accumulation=N // per_pack)
+    assert_same({name: p.grad for name, p in model.named_parameters()}, got)

@@ -246,14 +246,14 @@ def test_long_sample_is_an_error_naming_its_line_or_dropped(tmp_path):
         write_packs(tokenized, out, max_seq_len=20)
     assert not out.exists()
     report = write_packs(tokenized, out, max_seq_len=20, drop_long=True)
-    assert report["dropped_long"] == {"samples": 2, "tokens": 61, "first_lines": [4, 10]}
+    assert report["dropped"]["too_long"] == {"samples": 2, "tokens": 61, "first_lines": [4, 10]}
     assert report["samples_in"] == 5 and report["samples"] == 3 and report["tokens"] == 14
     assert sorted(line for row in load_stage(out) for line in row["lines"]) == [1, 7, 13]
 
 
 def test_all_samples_too_long_or_none_at_all_is_an_error(tmp_path):
     tokenized = save_samples(make_samples([30, 31]), tmp_path / "long")
-    with pytest.raises(ValueError, match="all 2 samples are longer than max_seq_len=20"):
+    with pytest.raises(ValueError, match=r"none of the 2 samples is left to pack \(too_long 2\)"):
         write_packs(tokenized, tmp_path / "out", max_seq_len=20, drop_long=True)
     empty = save_samples(make_samples([]), tmp_path / "empty")
     with pytest.raises(ValueError, match="no samples to pack"):
@@ -280,3 +280,15 @@ def test_build_pack_table_draws_cu_seqlens_per_pack():
     assert table["seq_lens"].to_pylist() == [[4, 3], [2]]
     assert table["lines"].to_pylist() == [[7, 1], [4]]
     assert table["input_ids"].to_pylist()[1] == columns["input_ids"][1]
+
+
+def test_length_filters_leave_samples_out_and_count_them(tmp_path):
+    tokenized = save_samples(make_samples([5, 30, 7, 31, 2, 12]), tmp_path / "tokenized")
+    report = write_packs(tokenized, tmp_path / "out", max_seq_len=40, min_sample_len=6, max_sample_len=20)
+    assert report["dropped"]["under_min_length"] == {"samples": 2, "tokens": 7, "first_lines": [1, 13]}
+    assert report["dropped"]["over_max_length"] == {"samples": 2, "tokens": 61, "first_lines": [4, 10]}
+    assert report["dropped"]["too_long"]["samples"] == 0
+    assert report["samples"] == 2 and report["samples_in"] == 6
+    assert sorted(line for row in load_stage(tmp_path / "out") for line in row["lines"]) == [7, 16]
+    with pytest.raises(ValueError, match="max_sample_len 50: must be between 1 and max_seq_len=40"):
+        write_packs(tokenized, tmp_path / "out2", max_seq_len=40, max_sample_len=50)
