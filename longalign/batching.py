@@ -96,11 +96,20 @@ class PackCollator:
       constant, averaged over packs, as LongWriter's released objective computes it (divisor 30).
 
     The references depend on how samples are split into packs and micro-batches; the exact two do not.
+
+    ``pad_packs_to`` pads every row to that many tokens with a filler segment of its own (its own entry
+    in ``cu_seq_lens``, no targets, weight 0), so every micro-batch has the same shape::
+
+        pad_packs_to 8, row [a0 a1 a2 | b0 b1]  ->  [a0 a1 a2 | b0 b1 | f f f],  cu_seq_lens [0, 3, 5, 8]
+
+    ``num_tokens`` counts the active rows' own tokens, without filler.
     """
 
     weighting: str = "sequence_level"
     ignore_index: int = -100
     longwriter_divisor: float = 30.0
+    pad_packs_to: int | None = None  # pad every pack row to this many tokens (static shapes)
+    pad_token_id: int = 0  # the filler's tokens: any id works, the filler attends only to itself
 
     def __post_init__(self) -> None:
         _check_weighting(self.weighting)
@@ -110,16 +119,19 @@ class PackCollator:
             raise ValueError("PackCollator: got an empty list of pack rows")
         per_row = [_seq_lens_of_pack(i, row) for i, row in enumerate(rows)]
         active = [bool(row.get("active", True)) for row in rows]
+        ids = [torch.as_tensor(row["input_ids"], dtype=torch.long) for row in rows]
+        labels = [
+            torch.as_tensor(row["labels"], dtype=torch.long)
+            if on
+            else torch.full_like(row_ids, self.ignore_index)
+            for row, row_ids, on in zip(rows, ids, active, strict=True)
+        ]
+        num_tokens = sum(len(row_ids) for row_ids, on in zip(ids, active, strict=True) if on)
+        num_samples = [len(lens) for lens in per_row]
+        if self.pad_packs_to is not None:
+            ids, labels, per_row = self._pad(ids, labels, per_row)
         seq_lens = torch.cat(per_row)
-        input_ids = torch.cat([torch.as_tensor(row["input_ids"], dtype=torch.long) for row in rows])
-        labels = torch.cat(
-            [
-                torch.as_tensor(row["labels"], dtype=torch.long)
-                if on
-                else torch.full((len(row["labels"]),), self.ignore_index)
-                for row, on in zip(rows, active, strict=True)
-            ]
-        )
+        input_ids, labels = torch.cat(ids), torch.cat(labels)
         exact = self.weighting in EXACT_WEIGHTINGS
         labels, weights = mask_and_weigh(
             labels, seq_lens, self.weighting if exact else "token_level", self.ignore_index
@@ -128,7 +140,10 @@ class PackCollator:
         if self.weighting == "pack_token_mean" and denominator:
             weights, denominator = weights / denominator, 1.0
         elif self.weighting == "longwriter":
-            weights, denominator = _longwriter_weights(weights, per_row, self.longwriter_divisor)
+            row_tokens = [len(row_ids) for row_ids in ids]
+            weights, denominator = _longwriter_weights(
+                weights, row_tokens, num_samples, self.longwriter_divisor
+            )
         cu_seq_lens = torch.nn.functional.pad(torch.cumsum(seq_lens, 0), (1, 0)).to(torch.int32)
         starts = torch.repeat_interleave(cu_seq_lens[:-1].long(), seq_lens)
         position_ids = torch.arange(len(input_ids)) - starts
@@ -143,20 +158,36 @@ class PackCollator:
             "max_length_k": max_length,
             "loss_weights": weights[None],
             "loss_denominator": denominator,
+            "num_tokens": num_tokens,
             "num_packs": sum(active),
-            "num_samples": sum(len(lens) for lens, on in zip(per_row, active, strict=True) if on),
+            "num_samples": sum(n for n, on in zip(num_samples, active, strict=True) if on),
         }
+
+    def _pad(
+        self, ids: list[torch.Tensor], labels: list[torch.Tensor], per_row: list[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """Every row padded to ``pad_packs_to`` tokens by a filler segment of its own (no targets)."""
+        length = self.pad_packs_to
+        padded: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] = ([], [], [])
+        for i, (row_ids, row_labels, lens) in enumerate(zip(ids, labels, per_row, strict=True)):
+            missing = length - len(row_ids)
+            if missing < 0:
+                raise ValueError(f"pack row {i}: {len(row_ids)} tokens do not fit the padded length {length}")
+            filler = torch.full((missing,), self.pad_token_id)
+            padded[0].append(torch.cat([row_ids, filler]))
+            padded[1].append(torch.cat([row_labels, filler.fill_(self.ignore_index)]))
+            padded[2].append(torch.cat([lens, torch.tensor([missing])]) if missing else lens)
+        return padded
 
 
 def _longwriter_weights(
-    target_mask: torch.Tensor, per_row: list[torch.Tensor], divisor: float
+    target_mask: torch.Tensor, row_tokens: list[int], row_samples: list[int], divisor: float
 ) -> tuple[torch.Tensor, float]:
     """Per-token weights n_p / (divisor * N_p) in each pack row p, and the number of rows with targets."""
-    parts = target_mask.split([int(lens.sum()) for lens in per_row])
     weighted, packs = [], 0
-    for mask, lens in zip(parts, per_row, strict=True):
+    for mask, samples in zip(target_mask.split(row_tokens), row_samples, strict=True):
         targets = float(mask.sum())
-        weighted.append(mask * (len(lens) / (divisor * targets)) if targets else mask)
+        weighted.append(mask * (samples / (divisor * targets)) if targets else mask)
         packs += targets > 0
     return torch.cat(weighted), float(packs)
 

@@ -42,6 +42,7 @@ from typing import Any, Literal
 from longalign.attention import BACKENDS
 from longalign.batching import WEIGHTINGS
 from longalign.packing import STRATEGIES
+from longalign.sources import Source, SourceError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -49,6 +50,7 @@ else:
     import tomli as tomllib
 
 TORCH_DTYPES = ("auto", "float32", "bfloat16", "float16")
+TRUNCATIONS = ("right", "left", "drop")  # as pre-tokenize takes them
 
 
 class ConfigError(ValueError):
@@ -57,8 +59,12 @@ class ConfigError(ValueError):
 
 @dataclass
 class DataConfig:
-    train_file: str = ""  # pre-tokenized dir (packed on the fly, cached) or packed dir (used as is)
+    train_file: str = ""  # raw chats (file, directory, dataset, Hub id), or a tokenized or packed dir
     eval_file: str | None = None  # same kinds as train_file; eval loss uses the same weighting
+    sources: list[dict[str, Any]] = field(
+        default_factory=list
+    )  # [[data.sources]]: a mix, instead of train_file
+    truncation: str = "right"  # raw data longer than max_seq_len: right | left | drop
     max_seq_len: int = 65536  # token budget of one pack
     min_seq_len: int = 0  # samples with fewer tokens are dropped when packing (counted)
     max_seq_len_filter: int | None = None  # samples with more tokens are dropped, not truncated (counted)
@@ -67,6 +73,11 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.max_seq_len < 1:
             raise ConfigError(f"data.max_seq_len: must be >= 1, got {self.max_seq_len}")
+        if self.truncation not in TRUNCATIONS:
+            raise ConfigError(f"data.truncation: {self.truncation!r} is not one of {', '.join(TRUNCATIONS)}")
+        if self.sources and self.train_file:
+            raise ConfigError("data.sources and data.train_file: set one (sources is a mix of several)")
+        self.train_sources()  # checks every [[data.sources]] table
         if self.min_seq_len < 0:
             raise ConfigError(f"data.min_seq_len: must be >= 0, got {self.min_seq_len}")
         if self.max_seq_len_filter is not None and not 1 <= self.max_seq_len_filter <= self.max_seq_len:
@@ -75,6 +86,30 @@ class DataConfig:
                 f"got {self.max_seq_len_filter}"
             )
 
+    def train_sources(self) -> list[Source]:
+        """The training data as sources: ``[[data.sources]]``, or ``train_file`` alone."""
+        if not self.sources:
+            return [Source(self.train_file)] if self.train_file else []
+        fields = [f.name for f in dataclasses.fields(Source)]
+        out = []
+        for i, table in enumerate(self.sources):
+            where = f"data.sources[{i}]"
+            if not isinstance(table, dict) or "path" not in table:
+                raise ConfigError(f"{where}: a table with at least a path")
+            for key, value in table.items():
+                if key not in fields:
+                    raise ConfigError(f"{where}.{key}: unknown key{_suggest(key, fields)}")
+                hint = typing.get_type_hints(Source)[key]
+                if not _matches(value, hint):
+                    raise ConfigError(
+                        f"{where}.{key}: expected {_describe(hint)}, got {type(value).__name__} {value!r}"
+                    )
+            try:
+                out.append(Source(**table))
+            except SourceError as err:
+                raise ConfigError(f"{where}: {err}") from None
+        return out
+
 
 @dataclass
 class PackingConfig:
@@ -82,6 +117,7 @@ class PackingConfig:
     batch_size: int = 8  # samples per batch for the sorted strategy
     seed: int = 42  # pack order and sorted-batch shuffle
     drop_long: bool = False  # drop samples over max_seq_len instead of failing
+    pad_to_max: bool = False  # pad every pack to max_seq_len with a no-target filler (static shapes)
     attention_mask_type: str = "1d_varlen"  # the only mode: sample boundaries as cu_seqlens
 
     def __post_init__(self) -> None:
@@ -347,7 +383,7 @@ def _canonical(tables: dict[str, Any]) -> dict[str, tuple[Any, str]]:
                 f"{key} = {_shown(value)} means {alias.key} = {_shown(canonical)}, but "
                 + _setting(out[alias.key], written)
             )
-        out[alias.key] = (canonical, key)
+        out.setdefault(alias.key, (canonical, key))  # agreeing with the canonical key: that one is the source
     for key, value, alias in excluded:
         if alias.key in out and out[alias.key][0] in alias.excludes[value]:
             raise ConfigError(f"{key} = {_shown(value)} contradicts " + _setting(out[alias.key], written))
@@ -423,7 +459,7 @@ def _matches(value: Any, annotation: Any, lenient: bool = False) -> bool:
         return isinstance(value, str)
     if origin in (list, tuple) or annotation in (list, tuple):
         return isinstance(value, list)
-    if origin is dict or annotation is dict:
+    if origin in (dict, Mapping) or annotation in (dict, Mapping):
         return isinstance(value, dict)
     if isinstance(annotation, type) and issubclass(annotation, str):  # str enums: the value is checked later
         return isinstance(value, str)

@@ -215,6 +215,7 @@ def build_trainer(cfg: Config) -> LongAlignTrainer:
         loss_chunk_size=cfg.loss.chunk_size,
         ignore_index=cfg.loss.ignore_index,
         pack_seed=cfg.packing.seed,
+        pad_packs_to=cfg.data.max_seq_len if cfg.packing.pad_to_max else None,
         run_record=json.loads(json.dumps(run_record(cfg, args, train_packs), default=str)),
     )
 

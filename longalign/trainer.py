@@ -67,6 +67,7 @@ class LongAlignTrainer(Trainer):
         loss_chunk_size: int = 4096,
         ignore_index: int = -100,
         pack_seed: int = 0,
+        pad_packs_to: int | None = None,
         run_record: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
@@ -152,7 +153,7 @@ class LongAlignTrainer(Trainer):
         local = torch.tensor(
             [
                 sum(b["loss_denominator"] for b in batches),
-                sum(b["input_ids"].numel() for b in batches if b["num_packs"]),
+                sum(b["num_tokens"] for b in batches),
                 sum(b["num_samples"] for b in batches),
                 sum(b["num_packs"] for b in batches),
             ],

@@ -72,6 +72,23 @@ def test_a_filler_row_adds_nothing_to_any_denominator():
     )
 
 
+def test_padding_every_pack_adds_a_filler_segment_that_weighs_nothing():
+    batch = PackCollator(weighting="sequence_level", pad_packs_to=8, pad_token_id=0)(PACKS)
+    assert batch["input_ids"].tolist() == [[11, 12, 13, 21, 22, 0, 0, 0, 31, 32, 33, 0, 0, 0, 0, 0]]
+    assert batch["cu_seq_lens_q"].tolist() == [0, 3, 5, 8, 11, 16]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 0, 1, 2, 0, 1, 2, 3, 4]]
+    assert batch["loss_weights"].tolist() == [[0, 0.5, 0.5, 0, 1, 0, 0, 0, 0, 0.5, 0.5, 0, 0, 0, 0, 0]]
+    assert (batch["num_tokens"], batch["num_samples"], batch["loss_denominator"]) == (8, 3, 3.0)
+    writer = PackCollator(weighting="longwriter", pad_packs_to=8)(PACKS)  # the filler is no sample
+    unpadded = PackCollator(weighting="longwriter")(PACKS)
+    assert (
+        writer["loss_weights"][writer["loss_weights"] > 0].tolist()
+        == unpadded["loss_weights"][unpadded["loss_weights"] > 0].tolist()
+    )
+    with pytest.raises(ValueError, match="pack row 0: 5 tokens do not fit the padded length 4"):
+        PackCollator(pad_packs_to=4)(PACKS)
+
+
 def test_samples_without_targets_weigh_nothing():
     # B's only target is its first label, which the boundary rule masks: N_B = 0.
     pack = {"input_ids": [1, 2, 3, 4, 5, 6], "labels": [X, 2, 3, X, X, 6], "cu_seqlens": [0, 3, 4, 6]}

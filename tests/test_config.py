@@ -195,7 +195,9 @@ def test_to_dict_is_flat_tables(tmp_path):
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
-@pytest.mark.parametrize("name", ["demo.toml", "llama3_8b_64k.toml", "glm4_9b_64k.toml"])
+@pytest.mark.parametrize(
+    "name", ["demo.toml", "llama3_8b_64k.toml", "glm4_9b_64k.toml", "longalign_recipe.toml"]
+)
 def test_shipped_run_configs_load(name):
     cfg = load_config(CONFIGS / name)
     assert cfg.data.train_file and cfg.data.max_seq_len >= 4096
@@ -211,3 +213,50 @@ def test_deepspeed_sizes_are_integers():
     zero = json.loads((CONFIGS / "deepspeed" / "zero3.json").read_text())["zero_optimization"]
     sizes = {k: v for k, v in zero.items() if k.endswith(("_size", "_threshold", "_parameters", "_distance"))}
     assert sizes and all(type(v) is int for v in sizes.values()), sizes
+
+
+LONGALIGN_KEYS = {
+    "data": ["train_file", "max_seq_len", "packing", "sort_by_length", "min_seq_len", "max_seq_len_filter"],
+    "packing": ["strategy", "pad_to_max", "attention_mask_type"],
+    "loss": ["weighting", "ignore_index", "normalize_by_tokens"],
+    "training": ["per_device_batch_size", "gradient_accumulation_steps", "learning_rate", "num_train_epochs",
+                 "warmup_ratio", "lr_scheduler_type"],
+    "model": ["model_name_or_path", "trust_remote_code", "use_flash_attention"],
+}  # fmt: skip
+
+
+def test_the_longalign_recipe_uses_every_key_users_write_and_loads_as_written():
+    import tomllib
+
+    path = CONFIGS / "longalign_recipe.toml"
+    written = tomllib.loads(path.read_text())
+    for section, keys in LONGALIGN_KEYS.items():
+        assert set(keys) <= set(written[section]), section
+    cfg = load_config(path)
+    assert (cfg.data.max_seq_len, cfg.packing.strategy, cfg.loss.weighting) == (
+        65536,
+        "bfd",
+        "sequence_level",
+    )
+    assert cfg.training.args["learning_rate"] == 2e-5 and cfg.training.args["num_train_epochs"] == 2
+    assert cfg.training.args["warmup_steps"] == 0.03 and cfg.model.attn_backend == "auto"
+    assert cfg.source("loss.weighting").endswith("longalign_recipe.toml")
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("packing.attention_mask_type='2d'", 'only "1d_varlen": samples are kept apart by cu_seqlens'),
+        ("data.max_seq_len_filter=70000", "data.max_seq_len_filter: must be between 1 and data.max_seq_len"),
+        ("data.packing=false", 'data.packing = false means packing.strategy = "none", but packing.strategy'),
+        ("loss.normalize_by_tokens=true", 'means loss.weighting = "token_level", but loss.weighting'),
+    ],
+)
+def test_recipe_contradictions_are_one_line_errors(tmp_path, override, message):
+    section, _, key = override.partition("=")[0].partition(".")
+    text = (CONFIGS / "longalign_recipe.toml").read_text()
+    lines = [line for line in text.splitlines() if not line.startswith(f"{key} ")]
+    head = f"[{section}]"
+    patched = "\n".join(lines).replace(head, f"{head}\n{key} = {override.partition('=')[2]}", 1)
+    with pytest.raises(ConfigError, match=message):
+        load_config(write(tmp_path, patched))

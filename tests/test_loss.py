@@ -232,6 +232,14 @@ def test_weighted_loss_sum_equals_full_logits_and_keeps_samples_apart(llama):
     assert type(llama.lm_head).forward is torch.nn.Linear.forward and "forward" not in vars(llama.lm_head)
 
 
+def test_padding_packs_to_a_fixed_length_changes_no_loss(llama):
+    packs = random_packs(seed=6)
+    with torch.no_grad():
+        plain = weighted_loss_sum(llama, PackCollator()(packs))
+        padded = weighted_loss_sum(llama, PackCollator(pad_packs_to=40)(packs))
+    torch.testing.assert_close(padded, plain)
+
+
 def test_boundary_next_sample_first_token_does_not_change_previous_loss(llama):
     """Changing B's first token changes nothing in A's loss: A's last token has no target after it."""
 
