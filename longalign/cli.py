@@ -97,7 +97,14 @@ def _config_arguments(parser: argparse.ArgumentParser) -> None:
 def _pre_tokenize_arguments(parser: argparse.ArgumentParser) -> None:
     from longalign.tokenize import SPECIAL_TEXT_MODES, TRUNCATIONS
 
-    parser.add_argument("--input", required=True, help="JSONL file, one chat record per line")
+    parser.add_argument(
+        "--input",
+        required=True,
+        action="append",
+        help="chats: a .jsonl, .json or .parquet file, a directory of them, a saved datasets directory or "
+        "a Hub dataset id; repeat for several (report.json accounts for each)",
+    )
+    parser.add_argument("--split", help="the split of dataset inputs (default: train)")
     parser.add_argument("--tokenizer", required=True, help="tokenizer directory or hub name")
     parser.add_argument("--output", required=True, help="output dataset directory (replaced atomically)")
     parser.add_argument(
@@ -126,6 +133,7 @@ def _pre_tokenize_arguments(parser: argparse.ArgumentParser) -> None:
 def _pre_tokenize(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
+    from longalign.sources import Source
     from longalign.tokenize import pre_tokenize
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, trust_remote_code=args.trust_remote_code)
@@ -136,7 +144,7 @@ def _pre_tokenize(args: argparse.Namespace) -> int:
     if args.chat_template is not None:
         tokenizer.chat_template = args.chat_template.read_text(encoding="utf-8")
     report = pre_tokenize(
-        args.input,
+        [Source(path, split=args.split) for path in args.input],
         tokenizer,
         args.output,
         max_seq_len=args.max_seq_len,
@@ -168,7 +176,14 @@ def _pre_tokenize_summary(report: dict, output: str) -> str:
             "length         "
             + "  ".join(f"{k} {v:.0f}" for k, v in pct.items() if k in ("min", "p50", "p90", "max"))
         )
-    lines += [f"  line {e['line']}: {e['reason']}: {e['message']}" for e in report["first_errors"][:5]]
+    if len(report["sources"]) > 1:
+        lines += [
+            f"  {s['name']}: {s['lines_read']} read, {s['samples_kept']} kept, {s['dropped_total']} dropped"
+            for s in report["sources"]
+        ]
+    lines += [
+        f"  {e['file']} line {e['line']}: {e['reason']}: {e['message']}" for e in report["first_errors"][:5]
+    ]
     lines.append(f"wrote {output} (report.json inside)")
     return "\n".join(lines)
 
@@ -283,11 +298,56 @@ def _pack_summary(report: dict, output: str) -> str:
 # --- train -----------------------------------------------------------------------------------------------
 
 
+def _train_arguments(parser: argparse.ArgumentParser) -> None:
+    _config_arguments(parser)
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the run file, prepare the data (cached), print every setting with where it came from "
+        "and the packing summary, and stop before loading model weights",
+    )
+
+
 def _train(args: argparse.Namespace) -> int:
     from longalign.config import load_config
-    from longalign.run import train
+    from longalign.run import dry_run, train
 
-    return train(load_config(args.config, args.overrides))
+    cfg = load_config(args.config, args.overrides)
+    if not args.dry_run:
+        return train(cfg)
+    result = dry_run(cfg)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(_dry_run_summary(result))
+    return 0
+
+
+def _dry_run_summary(result: dict) -> str:
+    width = max(len(key) for key, _, _ in result["settings"])
+    lines = ["settings (where each comes from)"]
+    lines += [f"  {key:<{width}}  {_toml(value):<24}  {source}" for key, value, source in result["settings"]]
+    for which, entry in result["data"].items():
+        lines += ["", f"{which} data: {entry['path']}"]
+        if entry["pre_tokenize"]:
+            lines += [
+                "  " + line for line in _pre_tokenize_summary(entry["pre_tokenize"], "").splitlines()[:-1]
+            ]
+        if entry["pack"]:
+            for source in entry["pack"].get("mix", []):
+                lines.append(
+                    f"  mix: {source['name']}: {source['taken']:,} of {source['available']:,} ({source['rule']})"
+                )
+            lines += ["  " + line for line in _pack_summary(entry["pack"], entry["path"]).splitlines()[:-1]]
+    lines += ["", "dry run: no model weights loaded, nothing trained"]
+    return "\n".join(lines)
+
+
+def _toml(value: object) -> str:
+    """A setting as a run file writes it."""
+    import json
+
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return json.dumps(value, default=str) if value is not None else "(unset)"
 
 
 # --- probe -----------------------------------------------------------------------------------------------
@@ -383,9 +443,10 @@ COMMANDS = {
         "train on packs with exact sequence- or token-level loss weighting",
         "Train on packed long-context chat data with exact sequence- or token-level loss weighting.\n\n"
         "    accelerate launch -m longalign train --config run.toml [section.key=value ...]\n\n"
-        "[data] train_file is a packed directory used as is, or a pre-tokenized one packed here with\n"
-        "[packing] and cached next to the run. Exit status: 0 trained, 1 the preflight failed, 2 bad input.",
-        _config_arguments,
+        "[data] train_file (or [[data.sources]], a mix) is raw chat data (JSONL, JSON, Parquet, a directory,\n"
+        "a saved or Hub dataset), pre-tokenized and packed here and cached next to the run, or a\n"
+        "pre-tokenized or packed directory. Exit status: 0 trained, 1 the preflight failed, 2 bad input.",
+        _train_arguments,
         _train,
     ),
     "probe": Command(

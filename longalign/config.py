@@ -42,7 +42,7 @@ from typing import Any, Literal
 from longalign.attention import BACKENDS
 from longalign.batching import WEIGHTINGS
 from longalign.packing import STRATEGIES
-from longalign.sources import Source, SourceError
+from longalign.sources import InputError, Source
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -64,17 +64,25 @@ class DataConfig:
     sources: list[dict[str, Any]] = field(
         default_factory=list
     )  # [[data.sources]]: a mix, instead of train_file
-    truncation: str = "right"  # raw data longer than max_seq_len: right | left | drop
+    truncation: str | None = None  # raw data over max_seq_len: right (default) | left | drop
+    num_proc: int = 1  # processes that pre-tokenize raw data
     max_seq_len: int = 65536  # token budget of one pack
     min_seq_len: int = 0  # samples with fewer tokens are dropped when packing (counted)
     max_seq_len_filter: int | None = None  # samples with more tokens are dropped, not truncated (counted)
-    packed_cache_dir: str | None = None  # where on-the-fly packs go; default: <output_dir>/packed
+    cache_dir: str | None = None  # where prepared data (tokenized, packed) goes; default: <output_dir>/data
 
     def __post_init__(self) -> None:
         if self.max_seq_len < 1:
             raise ConfigError(f"data.max_seq_len: must be >= 1, got {self.max_seq_len}")
-        if self.truncation not in TRUNCATIONS:
+        if self.truncation is not None and self.truncation not in TRUNCATIONS:
             raise ConfigError(f"data.truncation: {self.truncation!r} is not one of {', '.join(TRUNCATIONS)}")
+        if self.max_seq_len_filter is not None and self.truncation not in (None, "drop"):
+            raise ConfigError(
+                f"data.truncation = {self.truncation!r} would cut the long samples that data.max_seq_len_filter "
+                "drops; leave truncation unset (long samples are then dropped and counted)"
+            )
+        if self.num_proc < 1:
+            raise ConfigError(f"data.num_proc: must be >= 1, got {self.num_proc}")
         if self.sources and self.train_file:
             raise ConfigError("data.sources and data.train_file: set one (sources is a mix of several)")
         self.train_sources()  # checks every [[data.sources]] table
@@ -85,6 +93,11 @@ class DataConfig:
                 f"data.max_seq_len_filter: must be between 1 and data.max_seq_len ({self.max_seq_len}), "
                 f"got {self.max_seq_len_filter}"
             )
+
+    @property
+    def raw_truncation(self) -> str:
+        """How pre-tokenize treats raw samples over max_seq_len: dropped when a length filter is set."""
+        return self.truncation or ("drop" if self.max_seq_len_filter is not None else "right")
 
     def train_sources(self) -> list[Source]:
         """The training data as sources: ``[[data.sources]]``, or ``train_file`` alone."""
@@ -106,7 +119,7 @@ class DataConfig:
                     )
             try:
                 out.append(Source(**table))
-            except SourceError as err:
+            except InputError as err:
                 raise ConfigError(f"{where}: {err}") from None
         return out
 
@@ -254,6 +267,10 @@ ALIASES = {
     "training.warmup_ratio": Alias("training.warmup_steps"),
 }
 
+# Keys that say the same thing two ways: a layer (the command line) that sets one drops the other from the
+# layers before it (the file); one layer setting both is an error.
+EXCLUSIVE = {"data.train_file": ("data.sources",), "data.sources": ("data.train_file",)}
+
 # TrainingArguments fields with a smallest sensible value that transformers does not check itself.
 TRAINING_MINIMUMS = {
     "per_device_train_batch_size": 1,
@@ -307,7 +324,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for origin, tables in layers:
-        for key, (value, written) in _canonical(tables).items():
+        layer = _canonical(tables)
+        for key, (value, written) in layer.items():
+            for other in EXCLUSIVE.get(key, ()):  # the later layer's choice replaces the earlier one's
+                if other not in layer:
+                    values.pop(other, None)
+                    sources.pop(other, None)
             values[key] = value
             sources[key] = origin if written == key else f"{origin} (as {written})"
     built: dict[str, Any] = {}

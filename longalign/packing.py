@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from itertools import chain, pairwise
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from longalign.artifacts import check_output, load_stage, stage_output, write_report
+from longalign.sources import Source, mix_indices
 
 STRATEGIES = ("bfd", "ffd", "greedy", "sorted", "none")  # see pack()
 
@@ -352,6 +353,7 @@ def write_packs(
     drop_long: bool = False,
     min_sample_len: int = 0,
     max_sample_len: int | None = None,
+    mix: Sequence[Source] | None = None,
     replace: bool = True,
 ) -> dict[str, Any]:
     """Pack the pre-tokenized dataset at ``tokenized_dir`` into ``output_dir``; return the report.
@@ -360,7 +362,9 @@ def write_packs(
     lists never become Python objects. Samples are left out and counted in the report's ``dropped``:
     ``under_min_length`` (fewer than ``min_sample_len`` tokens), ``over_max_length`` (more than
     ``max_sample_len``, a filter at most ``max_seq_len``) and ``too_long`` (more than ``max_seq_len`` with
-    ``drop_long``; without it such a sample is an error naming its line). The output is checked before
+    ``drop_long``; without it such a sample is an error naming its line). ``mix`` lists the sources of
+    the samples' ``source`` column with what to take of each (``longalign.sources.mix_indices``, seeded
+    with ``seed``); the report's ``mix`` says how many each had and gave. The output is checked before
     any work and appears complete or not at all (see ``longalign.artifacts.stage_output``, which also
     says what ``replace=False`` does).
     """
@@ -387,6 +391,9 @@ def write_packs(
             "or packing.drop_long = true (a run file)"
         )
     kept = np.flatnonzero(~np.logical_or.reduce(list(left_out.values())))
+    mix_report = None
+    if mix is not None:
+        kept, mix_report = _take_mix(kept, samples["source"].to_numpy(), mix, seed)
     if kept.size == 0:
         counts = ", ".join(f"{reason} {int(mask.sum())}" for reason, mask in left_out.items() if mask.any())
         raise ValueError(f"{tokenized_dir}: none of the {len(lengths)} samples is left to pack ({counts})")
@@ -404,6 +411,7 @@ def write_packs(
             }
             for reason, mask in left_out.items()
         },
+        **({"mix": mix_report} if mix_report is not None else {}),
         **packing_report(lengths[kept], packs, max_seq_len, strategy=strategy),
     }
     rows = kept[np.fromiter(chain.from_iterable(packs), dtype=np.int64, count=len(kept))]
@@ -412,6 +420,27 @@ def write_packs(
         _save_packs(samples, rows, samples_per_pack, lengths[rows], staging)
         write_report(staging, report)
     return report
+
+
+def _take_mix(
+    kept: np.ndarray, source_of: np.ndarray, mix: Sequence[Source], seed: int
+) -> tuple[np.ndarray, list[dict[str, Any]]]:
+    """The samples of ``kept`` that the mix takes, and per source how many it had and gave."""
+    per_source = [kept[source_of[kept] == index] for index in range(len(mix))]
+    chosen = mix_indices([len(rows) for rows in per_source], mix, seed)
+    taken = [rows[indices] for rows, indices in zip(per_source, chosen, strict=True)]
+    report = [
+        {"name": source.name, "available": len(rows), "taken": len(picked), "rule": _rule(source)}
+        for source, rows, picked in zip(mix, per_source, taken, strict=True)
+    ]
+    return np.sort(np.concatenate(taken)), report
+
+
+def _rule(source: Source) -> str:
+    for name in ("fraction", "num_samples", "weight"):
+        if getattr(source, name) is not None:
+            return f"{name} {getattr(source, name)}"
+    return "all"
 
 
 def _check_lengths_match(lengths: np.ndarray, input_ids: pa.ChunkedArray, lines: np.ndarray) -> None:

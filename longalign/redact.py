@@ -7,8 +7,9 @@ mismatch messages, the probe's JSON) goes through here::
     redact("HTTPS_PROXY", "http://u:pw@proxy:3128") -> "http://u:***@proxy:3128"
     redact("WANDB_PROJECT", "longalign")            -> "longalign"
 
-A name is secret when one of its parts (split at ``_``, ``-``, ``.``) contains TOKEN, KEY, SECRET,
-PASSWORD, PASSWD, CREDENTIAL or AUTH, or is exactly PAT (``GITHUB_PAT``, not ``PYTHONPATH``).
+A name is secret when one of its parts (split at ``_``, ``-``, ``.``) ends with TOKEN, KEY, SECRET,
+PASSWORD, PASSWD, CREDENTIAL(S) or AUTH (``HF_TOKEN``, ``APIKEY``, ``OAUTH``; not ``tokenizer`` or
+``max_new_tokens``), or is exactly PAT (``GITHUB_PAT``, not ``PYTHONPATH``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import re
 
-SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "AUTH")
+SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "CREDENTIALS", "AUTH")
 SECRET_PARTS = ("PAT",)  # only as a whole part: PAT is inside PATH
 _PARTS = re.compile(r"[_\-.\s]+")
 _URL_PASSWORD = re.compile(r"(?P<head>[a-z][a-z0-9+.\-]*://[^/@\s:]*):(?P<password>[^/@\s]*)@", re.IGNORECASE)
@@ -25,9 +26,7 @@ _URL_PASSWORD = re.compile(r"(?P<head>[a-z][a-z0-9+.\-]*://[^/@\s:]*):(?P<passwo
 def is_secret_name(name: str) -> bool:
     """Whether a variable or setting called ``name`` holds a secret."""
     parts = [part for part in _PARTS.split(name.upper()) if part]
-    return any(word in part for part in parts for word in SECRET_WORDS) or any(
-        part in SECRET_PARTS for part in parts
-    )
+    return any(part.endswith(SECRET_WORDS) or part in SECRET_PARTS for part in parts)
 
 
 def redact(name: str, value: object) -> str:

@@ -6,7 +6,7 @@ Everything that turns a run file into working objects lives here, once::
     args = training_arguments(cfg)          # the one TrainingArguments (process group, device, precision)
     tokenizer = load_tokenizer(cfg)
     model = load_model(cfg)                 # dtype from model_dtype(cfg), varlen attention patched in
-    packs = resolve_packs(cfg.data.train_file, cfg, args)
+    packs = resolve_packs("train", cfg, args, tokenizer)
     trainer = build_trainer(cfg)            # all of the above, as a LongAlignTrainer
     train(cfg)                              # preflight -> resume -> train -> evaluate -> save -> close
 
@@ -16,6 +16,7 @@ Everything that turns a run file into working objects lives here, once::
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import hashlib
 import json
@@ -32,9 +33,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Traini
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 import longalign.patch
-from longalign.artifacts import load_stage
+from longalign.artifacts import REPORT_NAME, load_stage, read_report
 from longalign.batching import packs_fingerprint
-from longalign.config import Config, ConfigError
+from longalign.config import RESERVED_TRAINING_ARGS, Config, ConfigError
 from longalign.packing import write_packs
 from longalign.preflight import (
     DEFAULT_ENV,
@@ -44,6 +45,9 @@ from longalign.preflight import (
     preflight_enabled,
     run_preflight,
 )
+from longalign.redact import is_secret_name, redact
+from longalign.sources import Source, fingerprint, kind
+from longalign.tokenize import pre_tokenize
 from longalign.trainer import CHECKPOINT_RECORD, LongAlignTrainer
 
 
@@ -96,53 +100,120 @@ def load_model(cfg: Config) -> torch.nn.Module:
     return longalign.patch.apply(model, backend=mc.attn_backend)
 
 
-def resolve_packs(path: str, cfg: Config, args: TrainingArguments):
-    """Packs at ``path``: a packed directory as is, or a tokenized one packed once and cached.
+def resolve_packs(which: str, cfg: Config, args: TrainingArguments, tokenizer=None):
+    """The packs of the training (``which="train"``) or eval data, prepared on first use (see :func:`prepare`).
 
     Either way the rows must fit ``data.max_seq_len`` and use ``loss.ignore_index`` for non-targets.
     """
-    dataset = load_stage(path)
-    if "cu_seqlens" in dataset.column_names:
+    path = prepare(which, cfg, args, tokenizer)
+    return check_packs(load_stage(path), str(path), cfg)
+
+
+def prepare(which: str, cfg: Config, args: TrainingArguments, tokenizer=None) -> Path:
+    """The packed directory of the ``train`` or ``eval`` data, preparing and caching what is missing.
+
+    A packed directory is used as is; a pre-tokenized one is packed with ``[packing]``; raw sources (chat
+    files, directories, datasets, Hub ids, or the ``[[data.sources]]`` of a mix) are pre-tokenized with
+    the run's tokenizer, mixed and packed. Each step's output is cached in ``data.cache_dir`` under a
+    fingerprint of everything that decides its content (the sources' files, the tokenizer and its
+    template, max_seq_len and truncation; then the length filters, the mix, the packing settings and the
+    seed), so an unchanged rerun reuses it and any change prepares it again. The local main process
+    prepares while the others wait.
+    """
+    sources = cfg.data.train_sources() if which == "train" else [Source(cfg.data.eval_file)]
+    if not sources or not sources[0].path:
+        raise ConfigError("data.train_file: set it (or [[data.sources]]) to the training data")
+    stages = [_stage_kind(source) for source in sources]
+    mixing = len(sources) > 1 or any(_rule(source) for source in sources)
+    if stages[0] == "packed" and not mixing:
         for key in ("min_seq_len", "max_seq_len_filter"):
             if cfg.source(f"data.{key}") != "default":
-                raise ConfigError(f"data.{key}: filters samples when packing, but {path} is packed already")
-        return check_packs(dataset, path, cfg)
-    if "length" not in dataset.column_names:
+                raise ConfigError(
+                    f"data.{key}: filters samples when packing, but {sources[0].path} is packed already"
+                )
+        return Path(sources[0].path)
+    if any(stage is not None for stage in stages) and mixing:
         raise ConfigError(
-            f"{path}: neither a packed nor a pre-tokenized dataset (columns {dataset.column_names})"
+            "data.sources: a mix takes raw chat sources, not pre-tokenized or packed directories"
         )
-    packing = cfg.packing
-    settings = {
-        "max_seq_len": cfg.data.max_seq_len,
-        "strategy": packing.strategy,
-        "batch_size": packing.batch_size if packing.strategy == "sorted" else 1,
-        "seed": packing.seed,
-        "drop_long": packing.drop_long,
-        "min_sample_len": cfg.data.min_seq_len,
-        "max_sample_len": cfg.data.max_seq_len_filter,
-    }
-    source = Path(path)
-    key = hashlib.sha256(
-        json.dumps(
-            [settings, (source / "state.json").read_text(), (source / "report.json").read_text()]
-        ).encode()
-    ).hexdigest()[:12]
-    cache_root = Path(cfg.data.packed_cache_dir or Path(args.output_dir) / "packed")
-    cache = cache_root / f"{source.resolve().name}-{key}"
-    with args.main_process_first(desc=f"packing {path}"):
-        if not cache.exists():
-            # Nodes on shared storage may pack at once: the first complete copy wins, the rest is dropped.
-            write_packs(source, cache, **settings, replace=False)
-    return check_packs(load_stage(cache), path, cfg)
+    cache_root = Path(cfg.data.cache_dir or Path(args.output_dir) / "data")
+    with args.main_process_first(desc=f"preparing the {which} data"):
+        if stages[0] == "tokenized":
+            tokenized = Path(sources[0].path)
+        else:
+            tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
+            settings = {
+                "max_seq_len": cfg.data.max_seq_len,
+                "truncation": cfg.data.raw_truncation,
+                "num_proc": cfg.data.num_proc,
+            }
+            key = _digest([[fingerprint(s) for s in sources], _tokenizer_digest(tokenizer), settings])
+            tokenized = cache_root / f"tokenized-{key}"
+            if not tokenized.exists():
+                # Nodes on shared storage may prepare at once: the first complete copy wins.
+                pre_tokenize(sources, tokenizer, tokenized, **settings, replace=False)
+        packing = cfg.packing
+        settings = {
+            "max_seq_len": cfg.data.max_seq_len,
+            "strategy": packing.strategy,
+            "batch_size": packing.batch_size if packing.strategy == "sorted" else 1,
+            "seed": packing.seed,
+            "drop_long": packing.drop_long,
+            "min_sample_len": cfg.data.min_seq_len,
+            "max_sample_len": cfg.data.max_seq_len_filter,
+        }
+        mix = sources if mixing else None
+        state = [(tokenized / name).read_text() for name in ("state.json", "report.json")]
+        key = _digest([state, settings, [dataclasses.asdict(s) for s in mix or []]])
+        packed = cache_root / f"packed-{key}"
+        if not packed.exists():
+            write_packs(tokenized, packed, **settings, mix=mix, replace=False)
+    return packed
+
+
+def _stage_kind(source: Source) -> str | None:
+    """``"packed"`` or ``"tokenized"`` for a longalign stage directory (by its columns), else ``None``."""
+    if kind(source.path) != "dataset" or (Path(source.path) / "dataset_dict.json").exists():
+        return None
+    columns = load_stage(source.path).column_names
+    if "cu_seqlens" in columns:
+        return "packed"
+    return "tokenized" if {"input_ids", "length"} <= set(columns) else None
+
+
+def _rule(source: Source) -> bool:
+    return any(getattr(source, name) is not None for name in ("weight", "num_samples", "fraction"))
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def _tokenizer_digest(tokenizer) -> str:
+    """The vocabulary (added tokens included) and the chat template: what decides the tokenization."""
+    return _digest([sorted(tokenizer.get_vocab().items()), tokenizer.chat_template])
 
 
 def check_packs(packs, path: str, cfg: Config):
-    """``packs`` if its rows fit ``data.max_seq_len`` and its labels mark non-targets with ``ignore_index``."""
-    longest = pc.max(pc.list_value_length(packs.data.column("input_ids"))).as_py() or 0
-    if longest > cfg.data.max_seq_len:
+    """``packs`` if they fit ``data.max_seq_len`` and their labels mark non-targets with ``ignore_index``.
+
+    Every sample must fit, and every row too, except the batches of the ``sorted`` strategy, which hold
+    ``batch_size`` samples of up to ``max_seq_len`` tokens each.
+    """
+    budget = cfg.data.max_seq_len
+    longest_sample = pc.max(pc.list_flatten(packs.data.column("seq_lens"))).as_py() or 0
+    longest_row = pc.max(pc.list_value_length(packs.data.column("input_ids"))).as_py() or 0
+    report = Path(path) / REPORT_NAME
+    sorted_batches = report.exists() and read_report(path).get("strategy") == "sorted"
+    if longest_sample > budget or (longest_row > budget and not sorted_batches):
+        what = (
+            f"samples of up to {longest_sample}"
+            if longest_sample > budget
+            else f"pack rows of up to {longest_row}"
+        )
         raise ConfigError(
-            f"{path}: pack rows of up to {longest} tokens do not fit data.max_seq_len = {cfg.data.max_seq_len}; "
-            "pack again with the smaller budget, or raise data.max_seq_len"
+            f"{path}: {what} tokens do not fit data.max_seq_len = {budget}; pack again with the smaller "
+            "budget, or raise data.max_seq_len"
         )
     labels = pc.list_flatten(packs.data.column("labels"))
     negative = pc.unique(pc.filter(labels, pc.less(labels, 0))).to_pylist()
@@ -154,10 +225,10 @@ def check_packs(packs, path: str, cfg: Config):
     return packs
 
 
-def check_vocabulary(model: torch.nn.Module, packs, path: str) -> None:
-    """Every token id of ``packs`` must have a row in the model's input embedding."""
+def check_vocabulary(model: torch.nn.Module | int, packs, path: str) -> None:
+    """Every token id of ``packs`` must have a row in the model's input embedding (or vocabulary size)."""
     largest = pc.max(pc.list_flatten(packs.data.column("input_ids"))).as_py()
-    size = model.get_input_embeddings().num_embeddings
+    size = model if isinstance(model, int) else model.get_input_embeddings().num_embeddings
     if largest is not None and largest >= size:
         raise ConfigError(
             f"{path}: token id {largest} is outside the model's vocabulary of {size} "
@@ -192,17 +263,15 @@ def run_record(cfg: Config, args: TrainingArguments, packs) -> dict[str, Any]:
 
 def build_trainer(cfg: Config) -> LongAlignTrainer:
     """Everything a run sets up before ``train()``: arguments, tokenizer, model, packs, trainer."""
-    if not cfg.data.train_file:
-        raise ConfigError("data.train_file: set it to a packed or pre-tokenized dataset directory")
     args = training_arguments(cfg)
     tokenizer = load_tokenizer(cfg)
     transformers.set_seed(args.seed)
     model = load_model(cfg)
-    train_packs = resolve_packs(cfg.data.train_file, cfg, args)
-    check_vocabulary(model, train_packs, cfg.data.train_file)
-    eval_packs = resolve_packs(cfg.data.eval_file, cfg, args) if cfg.data.eval_file else None
+    train_packs = resolve_packs("train", cfg, args, tokenizer)
+    check_vocabulary(model, train_packs, "the training data")
+    eval_packs = resolve_packs("eval", cfg, args, tokenizer) if cfg.data.eval_file else None
     if eval_packs is not None:
-        check_vocabulary(model, eval_packs, cfg.data.eval_file)
+        check_vocabulary(model, eval_packs, "the eval data")
     return LongAlignTrainer(
         model=model,
         args=args,
@@ -324,6 +393,55 @@ def _step_of(path: Path) -> int:
     return int(step) if step.isdigit() else -1
 
 
+def dry_run(cfg: Config) -> dict[str, Any]:
+    """Everything but the training: every resolved setting with its source, and the data prepared.
+
+    Returns ``{"settings": [(key, value, source), ...], "data": {"train": {...}, "eval": {...}}}`` where
+    each data entry has the packed directory and the pre-tokenize and pack reports (those that exist).
+    No model weights are loaded: the vocabulary check reads the model's config alone.
+    """
+    args = training_arguments(cfg)
+    try:
+        tokenizer = load_tokenizer(cfg)
+        data = {}
+        for which in ("train", "eval") if cfg.data.eval_file else ("train",):
+            path = prepare(which, cfg, args, tokenizer)
+            packs = check_packs(load_stage(path), str(path), cfg)
+            check_vocabulary(model_vocab_size(cfg), packs, f"the {which} data")
+            reports = {"pack": read_report(path) if (path / REPORT_NAME).exists() else None}
+            tokenized = Path(reports["pack"]["input"]) if reports["pack"] else None
+            reports["pre_tokenize"] = (
+                read_report(tokenized) if tokenized and (tokenized / REPORT_NAME).exists() else None
+            )
+            data[which] = {"path": str(path), **reports}
+        return {"settings": resolved_settings(cfg), "data": data}
+    finally:
+        close()
+
+
+def resolved_settings(cfg: Config) -> list[tuple[str, Any, str]]:
+    """``(section.key, value, where it came from)`` for every setting; secrets redacted."""
+    rows = []
+    for section, table in cfg.to_dict().items():
+        for key, value in table.items():
+            name = f"{section}.{key}"
+            shown = redact(name, value) if is_secret_name(name) else value
+            rows.append((name, shown, cfg.source(name)))
+    rows += [(f"training.{key}", value, "longalign") for key, (value, _) in RESERVED_TRAINING_ARGS.items()]
+    return rows
+
+
+def model_vocab_size(cfg: Config) -> int:
+    """The vocabulary size of ``[model]``, read from its config without loading weights."""
+    mc = cfg.model
+    if mc.init_from_config is not None:
+        settings = dict(mc.init_from_config)
+        config = AutoConfig.for_model(settings.pop("model_type"), **settings)
+    else:
+        config = AutoConfig.from_pretrained(mc.model_name_or_path, trust_remote_code=mc.trust_remote_code)
+    return config.get_text_config().vocab_size
+
+
 def preflight(cfg: Config, env_names: Sequence[str] = DEFAULT_ENV) -> PreflightReport:
     """The preflight without a model: every rank checks what it would train with; ranks must agree."""
     args = training_arguments(cfg)
@@ -331,10 +449,8 @@ def preflight(cfg: Config, env_names: Sequence[str] = DEFAULT_ENV) -> PreflightR
         return run_preflight(
             cfg,
             load_tokenizer=lambda: load_tokenizer(cfg),
-            load_packs=lambda: resolve_packs(cfg.data.train_file, cfg, args),
-            load_eval_packs=(lambda: resolve_packs(cfg.data.eval_file, cfg, args))
-            if cfg.data.eval_file
-            else None,
+            load_packs=lambda: resolve_packs("train", cfg, args),
+            load_eval_packs=(lambda: resolve_packs("eval", cfg, args)) if cfg.data.eval_file else None,
             device=args.device,
             dtype=compute_dtype(model_dtype(cfg), bf16=args.bf16, fp16=args.fp16),
             env_names=env_names,

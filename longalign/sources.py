@@ -34,8 +34,8 @@ RAW_SUFFIXES = (".jsonl", ".json", ".parquet")
 MESSAGE_LISTS = ("messages", "conversations")
 
 
-class SourceError(ValueError):
-    """A source that cannot be read; the message names it."""
+class InputError(ValueError):
+    """An input that cannot be read at all (missing, not UTF-8, not a chat format); the message names it."""
 
 
 @dataclass(frozen=True)
@@ -52,15 +52,15 @@ class Source:
     def __post_init__(self) -> None:
         rules = [name for name in ("weight", "num_samples", "fraction") if getattr(self, name) is not None]
         if len(rules) > 1:
-            raise SourceError(
+            raise InputError(
                 f"{self.path}: set one of weight, num_samples and fraction, not {' and '.join(rules)}"
             )
         if self.weight is not None and self.weight <= 0:
-            raise SourceError(f"{self.path}: weight must be > 0, got {self.weight}")
+            raise InputError(f"{self.path}: weight must be > 0, got {self.weight}")
         if self.num_samples is not None and self.num_samples < 0:
-            raise SourceError(f"{self.path}: num_samples must be >= 0, got {self.num_samples}")
+            raise InputError(f"{self.path}: num_samples must be >= 0, got {self.num_samples}")
         if self.fraction is not None and not 0 <= self.fraction <= 1:
-            raise SourceError(f"{self.path}: fraction must be between 0 and 1, got {self.fraction}")
+            raise InputError(f"{self.path}: fraction must be between 0 and 1, got {self.fraction}")
 
     @property
     def name(self) -> str:
@@ -73,16 +73,16 @@ def kind(path: str) -> str:
     local = Path(path)
     if local.is_file():
         if local.suffix not in RAW_SUFFIXES:
-            raise SourceError(f"{path}: not a chat file ({', '.join(RAW_SUFFIXES)})")
+            raise InputError(f"{path}: not a chat file ({', '.join(RAW_SUFFIXES)})")
         return "file"
     if local.is_dir():
         saved = ("dataset_info.json", "state.json", "dataset_dict.json")
         return "dataset" if any((local / name).exists() for name in saved) else "directory"
     if local.exists():
-        raise SourceError(f"{path}: neither a file nor a directory")
+        raise InputError(f"{path}: neither a file nor a directory")
     looks_like_hub_id = path.count("/") <= 1 and not path.startswith((".", "/", "~")) and not local.suffix
     if not looks_like_hub_id:
-        raise SourceError(f"{path}: not found")
+        raise InputError(f"{path}: not found")
     return "hub"
 
 
@@ -96,7 +96,7 @@ def files_of(source: Source) -> list[Path]:
         return []
     files = sorted(p for p in local.rglob("*") if p.is_file() and p.suffix in RAW_SUFFIXES)
     if not files:
-        raise SourceError(f"{source.path}: a directory without {', '.join(RAW_SUFFIXES)} files")
+        raise InputError(f"{source.path}: a directory without {', '.join(RAW_SUFFIXES)} files")
     return files
 
 
@@ -124,7 +124,7 @@ def records(source: Source) -> Iterator[tuple[str, int, str]]:
 def read_lines(path: str | os.PathLike) -> Iterator[tuple[int, str]]:
     """``(line number, text)`` for every line of a UTF-8 file; a leading byte order mark is skipped.
 
-    Raises :class:`SourceError` naming the line where the file is not UTF-8 (one bad byte means the
+    Raises :class:`InputError` naming the line where the file is not UTF-8 (one bad byte means the
     file was written in another encoding, and every line after it is suspect).
     """
     with open(path, "rb") as f:
@@ -134,7 +134,7 @@ def read_lines(path: str | os.PathLike) -> Iterator[tuple[int, str]]:
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as err:
-                raise SourceError(
+                raise InputError(
                     f"{path}: line {number}: not valid UTF-8 ({err.reason} at byte {err.start})"
                 ) from None
             yield number, text.rstrip("\r\n")
@@ -144,11 +144,11 @@ def _json_array(path: Path) -> list[Any]:
     try:
         value = json.loads(path.read_text(encoding="utf-8-sig"))
     except UnicodeDecodeError as err:
-        raise SourceError(f"{path}: not valid UTF-8 ({err.reason} at byte {err.start})") from None
+        raise InputError(f"{path}: not valid UTF-8 ({err.reason} at byte {err.start})") from None
     except (ValueError, RecursionError) as err:
-        raise SourceError(f"{path}: not valid JSON ({str(err).splitlines()[0]})") from None
+        raise InputError(f"{path}: not valid JSON ({str(err).splitlines()[0]})") from None
     if not isinstance(value, list):
-        raise SourceError(f"{path}: a .json source holds a JSON array of records, got {type(value).__name__}")
+        raise InputError(f"{path}: a .json source holds a JSON array of records, got {type(value).__name__}")
     return value
 
 
@@ -158,7 +158,7 @@ def _parquet_records(path: Path, columns: Mapping[str, str]) -> Iterator[tuple[s
     try:
         table = pq.ParquetFile(path)
     except Exception as err:  # pyarrow raises several types for a file that is not Parquet
-        raise SourceError(f"{path}: not a readable Parquet file ({str(err).splitlines()[0]})") from None
+        raise InputError(f"{path}: not a readable Parquet file ({str(err).splitlines()[0]})") from None
     number = 0
     for batch in table.iter_batches(batch_size=1024):
         for record in batch.to_pylist():
@@ -177,11 +177,11 @@ def _dataset_records(source: Source, found: str) -> Iterator[tuple[str, int, str
         else:
             dataset = datasets.load_dataset(source.path, split=split)
     except KeyError:
-        raise SourceError(f"{source.path}: no split {split!r}") from None
+        raise InputError(f"{source.path}: no split {split!r}") from None
     except Exception as err:  # the Hub, the cache and the loaders raise many types; the message says why
         message = (str(err).strip().splitlines() or [type(err).__name__])[0]
         where = "neither in the local datasets cache nor reachable" if found == "hub" else "not readable"
-        raise SourceError(f"{source.path}: {where} ({message})") from None
+        raise InputError(f"{source.path}: {where} ({message})") from None
     for number, record in enumerate(dataset, start=1):
         yield source.name, number, _as_text(record, source.columns)
 
@@ -235,7 +235,7 @@ def mix_indices(available: Sequence[int], sources: Sequence[Source], seed: int) 
     out = []
     for i, (n, source) in enumerate(zip(available, sources, strict=True)):
         if source.num_samples is not None and source.num_samples > n:
-            raise SourceError(f"{source.name}: num_samples {source.num_samples}, but it has {n} samples")
+            raise InputError(f"{source.name}: num_samples {source.num_samples}, but it has {n} samples")
         if source.num_samples is not None:
             count = source.num_samples
         elif source.fraction is not None:

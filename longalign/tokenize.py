@@ -33,10 +33,9 @@ import re
 import shutil
 from bisect import bisect_right
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import datasets
@@ -45,6 +44,7 @@ from tokenizers import decoders, models, pre_tokenizers
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from longalign.artifacts import stage_output, write_report
+from longalign.sources import InputError, Source, files_of, records
 
 TRUNCATIONS = ("right", "left", "drop")
 # What message text that spells a control token (e.g. "<|eot_id|>") becomes: text, or the control token.
@@ -89,10 +89,6 @@ class RecordError(ValueError):
 
 class TemplateError(ValueError):
     """A chat template that cannot be split into prompt and assistant parts."""
-
-
-class InputError(ValueError):
-    """An input file that cannot be read at all (missing, empty, not UTF-8) or gives no sample."""
 
 
 def parse_record(record: Any) -> list[dict[str, str]]:
@@ -866,39 +862,28 @@ def _check_size(tokenizer, profile, text, targets, max_seq_len: int, truncation:
         raise RecordError("over_length", reason)
 
 
-def _tokenize_batch(
-    batch: dict[str, list], *, tokenizer, strict: bool, source: str, **settings
-) -> dict[str, list]:
+def _tokenize_batch(batch: dict[str, list], *, tokenizer, strict: bool, **settings) -> dict[str, list]:
     rows = []
-    for text, line in zip(batch["text"], batch["line"], strict=True):
+    for text, file, line in zip(batch["text"], batch["file"], batch["line"], strict=True):
         try:
             row = process_line(text, tokenizer, **settings)
         except TemplateError as err:  # the template, not the line, is at fault: stop, naming where it showed
-            raise TemplateError(f"line {line}: {err}") from None
-        if strict and row["reason"] in BAD_INPUT:  # stop here rather than tokenize the rest of the file
-            raise RecordError(row["reason"], f"{source}: line {line}: {row['error']}")
+            raise TemplateError(f"{file}: line {line}: {err}") from None
+        if strict and row["reason"] in BAD_INPUT:  # stop here rather than tokenize the rest of the input
+            raise RecordError(row["reason"], f"{file}: line {line}: {row['error']}")
         rows.append(row)
     keys = ("input_ids", "labels", "reason", "error", "truncated", "special_text")
     out = {key: [r[key] for r in rows] for key in keys}
     out["length"] = [len(r["input_ids"]) for r in rows]
     out["num_targets"] = [sum(t != IGNORE_INDEX for t in r["labels"]) for r in rows]
-    out["line"] = batch["line"]
     return out
 
 
-def read_lines(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
-    """Yield ``{"line": n, "text": ...}`` for every line of a UTF-8 file (1-based line numbers)."""
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise InputError(
-                    f"{path}: line {number}: not valid UTF-8 ({err.reason} at byte {err.start})"
-                ) from None
-            if number == 1:
-                text = text.removeprefix("\ufeff")  # a byte order mark some editors write
-            yield {"line": number, "text": text.rstrip("\r\n")}
+def _records(sources: Sequence[Source]) -> Iterator[dict[str, Any]]:
+    """Every record of every source as a row: ``source`` (its index), ``file``, ``line``, ``text``."""
+    for index, source in enumerate(sources):
+        for file, line, text in records(source):
+            yield {"source": index, "file": file, "line": line, "text": text}
 
 
 SAMPLE_FEATURES = datasets.Features(
@@ -908,6 +893,15 @@ SAMPLE_FEATURES = datasets.Features(
         "length": datasets.Value("int32"),
         "num_targets": datasets.Value("int32"),
         "line": datasets.Value("int64"),
+        "source": datasets.Value("int32"),  # which input (report.json's "sources") the sample came from
+    }
+)
+_RECORD_FEATURES = datasets.Features(
+    {
+        "source": datasets.Value("int32"),
+        "file": datasets.Value("string"),
+        "line": datasets.Value("int64"),
+        "text": datasets.Value("string"),
     }
 )
 
@@ -915,6 +909,7 @@ SAMPLE_FEATURES = datasets.Features(
 _MAPPED_FEATURES = datasets.Features(
     {
         **SAMPLE_FEATURES,
+        "file": datasets.Value("string"),
         "reason": datasets.Value("string"),
         "error": datasets.Value("string"),
         "truncated": datasets.Value("bool"),
@@ -924,7 +919,7 @@ _MAPPED_FEATURES = datasets.Features(
 
 
 def pre_tokenize(
-    input_path: str | os.PathLike,
+    inputs: str | os.PathLike | Source | Sequence[str | os.PathLike | Source],
     tokenizer,
     output_dir: str | os.PathLike,
     *,
@@ -933,15 +928,19 @@ def pre_tokenize(
     num_proc: int = 1,
     strict: bool = False,
     special_tokens_in_text: str = "text",
+    replace: bool = True,
 ) -> dict[str, Any]:
-    """Tokenize a chat JSONL file into a sample dataset at ``output_dir``; return the report.
+    """Tokenize chat records into a sample dataset at ``output_dir``; return the report.
 
-    Bad lines are skipped and counted by reason (``strict`` raises at the first one instead, before
-    tokenizing the lines after it). ``special_tokens_in_text`` says how message text that spells a
-    control token is read: as ``text`` or ``parse``d into the token. A file in which no line becomes a
-    sample is an ``InputError``. The output is checked before any work (see
-    ``longalign.artifacts.stage_output``) and replaced only when everything succeeded; the work files
-    live in its staging directory, never in ``$TMPDIR``.
+    ``inputs`` is one source or several (``longalign.sources``: JSONL, JSON, Parquet, directories of
+    them, saved or Hub datasets); each sample row keeps its ``source`` index and ``line``, and the report
+    accounts for every source separately as well as in total. Bad lines are skipped and counted by reason
+    (``strict`` raises at the first one instead, before tokenizing the lines after it).
+    ``special_tokens_in_text`` says how message text that spells a control token is read: as ``text`` or
+    ``parse``d into the token. Inputs in which no line becomes a sample are an ``InputError``. The output
+    is checked before any work (see ``longalign.artifacts.stage_output``, also for ``replace``) and
+    replaced only when everything succeeded; the work files live in its staging directory, never in
+    ``$TMPDIR``.
     """
     if truncation not in TRUNCATIONS:
         raise ValueError(f"truncation must be one of {', '.join(TRUNCATIONS)}, got {truncation!r}")
@@ -951,26 +950,24 @@ def pre_tokenize(
         raise ValueError(
             f"special_tokens_in_text must be one of {', '.join(SPECIAL_TEXT_MODES)}, got {special_tokens_in_text!r}"
         )
-    input_path = Path(input_path)
-    if not input_path.is_file():
-        raise InputError(f"{input_path}: input file not found")
-    if input_path.stat().st_size == 0:
-        raise InputError(f"{input_path}: input file is empty")
-    with stage_output(output_dir, stage="pre-tokenize", inputs=[input_path]) as staging:
+    sources = _as_sources(inputs)
+    files = [file for source in sources for file in files_of(source)]  # also checks that each exists
+    for file in files:
+        if file.stat().st_size == 0:
+            raise InputError(f"{file}: input file is empty")
+    with stage_output(output_dir, stage="pre-tokenize", inputs=files, replace=replace) as staging:
         check_chat_template(tokenizer)
         profile = profile_tokenizer(tokenizer)
         cache_dir = str(staging / ".cache")
         try:
             raw = datasets.Dataset.from_generator(
-                read_lines,
-                gen_kwargs={"path": str(input_path)},
+                _records,
+                gen_kwargs={"sources": tuple(sources)},  # a list would be split into shards, one index each
                 cache_dir=cache_dir,
-                features=datasets.Features(
-                    {"line": datasets.Value("int64"), "text": datasets.Value("string")}
-                ),
+                features=_RECORD_FEATURES,
             )
         except datasets.exceptions.DatasetGenerationError as err:
-            if isinstance(err.__cause__, InputError):  # raised by read_lines, wrapped by datasets
+            if isinstance(err.__cause__, InputError):  # raised while reading, wrapped by datasets
                 raise err.__cause__ from None
             raise
         fn_kwargs = {
@@ -980,7 +977,6 @@ def pre_tokenize(
             "truncation": truncation,
             "special_tokens_in_text": special_tokens_in_text,
             "strict": strict,
-            "source": str(input_path),
         }
         try:
             mapped = raw.map(
@@ -996,15 +992,15 @@ def pre_tokenize(
         except (RecordError, TemplateError) as err:
             # From a tokenizer process it arrives chained to the worker's traceback: the message says it all.
             raise err from None
-        report = _report(mapped, input_path, max_seq_len, truncation, special_tokens_in_text)
+        report = _report(mapped, sources, max_seq_len, truncation, special_tokens_in_text)
         if report["samples_kept"] == 0:  # an empty dataset would only fail later, in packing or training
             dropped = ", ".join(f"{reason} {n}" for reason, n in report["dropped"].items() if n)
             raise InputError(
-                f"{input_path}: no line became a sample ({report['lines_read']} lines read; dropped: {dropped})"
+                f"{report['input']}: no line became a sample ({report['lines_read']} lines read; dropped: {dropped})"
             )
         reasons = np.asarray(mapped["reason"])
         kept = mapped.select(np.flatnonzero(reasons == "")).remove_columns(
-            ["reason", "error", "truncated", "special_text"]
+            ["file", "reason", "error", "truncated", "special_text"]
         )
         kept.save_to_disk(str(staging))
         write_report(staging, report)
@@ -1012,34 +1008,73 @@ def pre_tokenize(
     return report
 
 
+def _as_sources(inputs: str | os.PathLike | Source | Sequence[str | os.PathLike | Source]) -> list[Source]:
+    if isinstance(inputs, (str, os.PathLike, Source)):
+        inputs = [inputs]
+    if not inputs:
+        raise ValueError("pre_tokenize: no input")
+    return [item if isinstance(item, Source) else Source(str(item)) for item in inputs]
+
+
 def _report(
-    mapped: datasets.Dataset, input_path: Path, max_seq_len: int, truncation: str, special_tokens_in_text: str
+    mapped: datasets.Dataset,
+    sources: list[Source],
+    max_seq_len: int,
+    truncation: str,
+    special_tokens_in_text: str,
 ) -> dict[str, Any]:
-    columns = ["reason", "truncated", "special_text", "length", "num_targets", "line", "error"]
-    table = mapped.select_columns(columns)
-    reasons = np.asarray(table["reason"])
-    kept = reasons == ""
-    lengths = np.asarray(table["length"])[kept]
-    dropped = Counter(reasons[~kept].tolist())
+    """The stage's report: the counts in total, and the same counts for every source (``sources``)."""
+    columns = [
+        "source",
+        "file",
+        "reason",
+        "truncated",
+        "special_text",
+        "length",
+        "num_targets",
+        "line",
+        "error",
+    ]
+    table = {name: np.asarray(mapped.select_columns([name])[name]) for name in columns}
+    kept = table["reason"] == ""
     bad = np.flatnonzero(~kept)[:MAX_REPORTED_ERRORS]
-    lines, errors = table["line"], table["error"]
     return {
-        "input": str(input_path),
+        "input": ", ".join(source.name for source in sources),
         "max_seq_len": max_seq_len,
         "truncation": truncation,
-        "lines_read": len(reasons),
+        **_counts(table, np.ones(len(kept), dtype=bool)),
+        "special_tokens_in_text": special_tokens_in_text,
+        "length_percentiles": _percentiles(table["length"][kept]),
+        "first_errors": [
+            {
+                "file": str(table["file"][i]),
+                "line": int(table["line"][i]),
+                "reason": str(table["reason"][i]),
+                "message": str(table["error"][i]),
+            }
+            for i in bad.tolist()
+        ],  # fmt: skip
+        "sources": [
+            {"name": source.name, **_counts(table, table["source"] == index)}
+            for index, source in enumerate(sources)
+        ],
+    }
+
+
+def _counts(table: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, Any]:
+    """Lines read, kept and dropped by reason, truncations and tokens over ``rows`` of the mapped table."""
+    reasons = table["reason"][rows]
+    kept = reasons == ""
+    dropped = Counter(reasons[~kept].tolist())
+    return {
+        "lines_read": int(rows.sum()),
         "samples_kept": int(kept.sum()),
         "dropped": {reason: dropped.get(reason, 0) for reason in DROP_REASONS},
         "dropped_total": int((~kept).sum()),
-        "truncated": int(np.asarray(table["truncated"])[kept].sum()),
-        "special_tokens_in_text": special_tokens_in_text,
-        "samples_with_special_token_text": int(np.asarray(table["special_text"])[kept].sum()),
-        "total_tokens": int(lengths.sum()),
-        "target_tokens": int(np.asarray(table["num_targets"])[kept].sum()),
-        "length_percentiles": _percentiles(lengths),
-        "first_errors": [
-            {"line": int(lines[i]), "reason": str(reasons[i]), "message": errors[i]} for i in bad.tolist()
-        ],
+        "truncated": int(table["truncated"][rows][kept].sum()),
+        "samples_with_special_token_text": int(table["special_text"][rows][kept].sum()),
+        "total_tokens": int(table["length"][rows][kept].sum()),
+        "target_tokens": int(table["num_targets"][rows][kept].sum()),
     }
 
 

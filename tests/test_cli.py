@@ -69,7 +69,7 @@ def test_pack_writes_plot_and_prints_summary(tmp_path, capsys):
                 "--max-seq-len",
                 "64",
             ],
-            "missing.jsonl: input file not found",
+            "missing.jsonl: not found",
         ),  # fmt: skip
     ],
 )

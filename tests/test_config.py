@@ -260,3 +260,13 @@ def test_recipe_contradictions_are_one_line_errors(tmp_path, override, message):
     patched = "\n".join(lines).replace(head, f"{head}\n{key} = {override.partition('=')[2]}", 1)
     with pytest.raises(ConfigError, match=message):
         load_config(write(tmp_path, patched))
+
+
+def test_sources_on_the_command_line_replace_the_file_s_train_file(tmp_path):
+    path = write(tmp_path, RUN)  # its [data] has train_file
+    cfg = load_config(path, ['data.sources=[{path = "a.jsonl"}, {path = "b.jsonl", fraction = 0.5}]'])
+    assert cfg.data.train_file == "" and [s.path for s in cfg.data.train_sources()] == ["a.jsonl", "b.jsonl"]
+    with pytest.raises(ConfigError, match="data.sources and data.train_file: set one"):
+        load_config(path, ["data.sources=[{path = 'a.jsonl'}]", "data.train_file='c.jsonl'"])
+    with pytest.raises(ConfigError, match=r"data.sources\[0\].weigth: unknown key; did you mean 'weight'\?"):
+        load_config(path, ["data.sources=[{path = 'a.jsonl', weigth = 2}]"])

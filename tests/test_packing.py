@@ -176,7 +176,7 @@ def test_take_rows_gathers_across_record_batches():
     assert _take_rows(table, rows).to_pylist() == table.take(rows).to_pylist()
 
 
-def make_samples(lengths: list[int], seed: int = 0) -> dict[str, list]:
+def make_samples(lengths: list[int], seed: int = 0, sources: list[int] | None = None) -> dict[str, list]:
     """Pre-tokenize-shaped columns with random tokens, some labels masked, lines 1-based with gaps."""
     rng = np.random.default_rng(seed)
     input_ids = [rng.integers(0, 1000, n).tolist() for n in lengths]
@@ -187,6 +187,7 @@ def make_samples(lengths: list[int], seed: int = 0) -> dict[str, list]:
         "length": lengths,
         "num_targets": [sum(t != -100 for t in lab) for lab in labels],
         "line": [3 * i + 1 for i in range(len(lengths))],
+        "source": sources if sources is not None else [0] * len(lengths),
     }
 
 

@@ -13,7 +13,7 @@ from longalign.redact import is_secret_name, redact, redact_override
 @pytest.mark.parametrize(
     "name",
     ["HF_TOKEN", "WANDB_API_KEY", "AWS_SECRET_ACCESS_KEY", "DB_PASSWD", "DB_PASSWORD", "GITHUB_PAT",
-     "AZURE_CREDENTIALS", "BASIC_AUTH", "training.hub_token", "hub-token", "apikey"],
+     "AZURE_CREDENTIALS", "BASIC_AUTH", "training.hub_token", "hub-token", "apikey", "OAUTH", "AWS_SESSION_TOKEN"],
 )  # fmt: skip
 def test_secret_names(name):
     assert is_secret_name(name)

@@ -4,12 +4,24 @@ from __future__ import annotations
 
 import json
 import types
+from pathlib import Path
 
 import datasets
 import pytest
 import torch
-from conftest import DEMO, count_packs, demo_overrides, launch, needs_launcher, save_packs, tiny_model
+from conftest import (
+    DEMO,
+    SAMPLE,
+    TOKENIZER,
+    count_packs,
+    demo_overrides,
+    launch,
+    needs_launcher,
+    save_packs,
+    tiny_model,
+)
 
+from longalign.artifacts import load_stage, read_report
 from longalign.config import ConfigError, load_config
 from longalign.run import check_vocabulary, model_dtype, resolve_packs, resume_point, training_arguments
 from longalign.trainer import CHECKPOINT_RECORD
@@ -136,21 +148,21 @@ def test_a_checkpoint_without_a_record_needs_the_override(tmp_path):
 
 def test_packed_rows_must_fit_max_seq_len(tmp_path):
     packs = save_packs(tmp_path / "packs", count_packs([[300, 212], [100]]))
-    cfg = load_config(DEMO, ["data.max_seq_len=512"])
+    cfg = load_config(DEMO, ["data.max_seq_len=512", f"data.train_file='{packs}'"])
     args = training_arguments(cfg)
-    assert len(resolve_packs(str(packs), cfg, args)) == 2
-    small = load_config(DEMO, ["data.max_seq_len=500"])
+    assert len(resolve_packs("train", cfg, args)) == 2
+    small = load_config(DEMO, ["data.max_seq_len=500", f"data.train_file='{packs}'"])
     with pytest.raises(ConfigError, match=r"rows of up to 512 tokens do not fit data.max_seq_len = 500"):
-        resolve_packs(str(packs), small, args)
+        resolve_packs("train", small, args)
 
 
 def test_labels_must_use_the_configured_ignore_index(tmp_path):
     rows = count_packs([[4, 3]])
     rows[0]["labels"][0] = -100
     packs = save_packs(tmp_path / "packs", rows)
-    cfg = load_config(DEMO, ["loss.ignore_index=-1"])
+    cfg = load_config(DEMO, ["loss.ignore_index=-1", f"data.train_file='{packs}'"])
     with pytest.raises(ConfigError, match=r"loss.ignore_index: -1, but .* marks non-targets with -100"):
-        resolve_packs(str(packs), cfg, training_arguments(cfg))
+        resolve_packs("train", cfg, training_arguments(cfg))
 
 
 def test_token_ids_must_fit_the_model_vocabulary(tmp_path):
@@ -161,3 +173,102 @@ def test_token_ids_must_fit_the_model_vocabulary(tmp_path):
     with pytest.raises(ConfigError, match="token id 4096 is outside the model's vocabulary of 4096"):
         check_vocabulary(model, packs, "packs")
     check_vocabulary(tiny_model(vocab_size=4097), packs, "packs")
+
+
+# --- raw data in, packs out --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def chats(tmp_path):
+    """Two raw sources: 40 chats of the shipped sample as JSONL, 30 others as Parquet with other columns."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    lines = SAMPLE.read_text().splitlines()
+    long_path = tmp_path / "long.jsonl"
+    long_path.write_text("\n".join(lines[:40]) + "\n")
+    renamed = [
+        {"dialog": [{"speaker": m["role"], "text": m["content"]} for m in json.loads(line)["messages"]]}
+        for line in lines[40:70]
+    ]
+    pq.write_table(pa.Table.from_pylist(renamed), tmp_path / "short.parquet")
+    return long_path, tmp_path / "short.parquet"
+
+
+def raw_config(tmp_path, *overrides):
+    return load_config(
+        DEMO,
+        [f"training.output_dir='{tmp_path / 'run'}'", f"model.tokenizer='{TOKENIZER}'", "data.max_seq_len=2048",
+         *overrides],
+    )  # fmt: skip
+
+
+def test_raw_data_is_prepared_once_and_again_when_a_source_changes(tmp_path, chats, monkeypatch):
+    import longalign.run as run
+
+    long_path, _ = chats
+    cfg = raw_config(tmp_path, f"data.train_file='{long_path}'")
+    args = training_arguments(cfg)
+    packed = run.prepare("train", cfg, args)
+    report = read_report(packed)
+    tokenized = read_report(Path(report["input"]))
+    assert tokenized["lines_read"] == 40 and report["samples_in"] == tokenized["samples_kept"]
+    assert packed.parent == tmp_path / "run" / "data"
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("prepared again although nothing changed")
+
+    monkeypatch.setattr(run, "pre_tokenize", no_work)
+    monkeypatch.setattr(run, "write_packs", no_work)
+    assert run.prepare("train", cfg, args) == packed  # an unchanged rerun reuses both stages
+    monkeypatch.undo()
+    long_path.write_text(long_path.read_text() + SAMPLE.read_text().splitlines()[99] + "\n")
+    again = run.prepare("train", cfg, args)
+    assert again != packed and read_report(Path(read_report(again)["input"]))["lines_read"] == 41
+    other_packing = raw_config(tmp_path, f"data.train_file='{long_path}'", "packing.strategy='ffd'")
+    assert run.prepare("train", other_packing, args) != again
+
+
+def test_a_mix_takes_what_each_source_says_and_accounts_for_both(tmp_path, chats):
+    from longalign.run import prepare
+
+    long_path, short_path = chats
+    sources = (
+        f'data.sources=[{{path="{long_path}"}}, {{path="{short_path}", fraction=0.5, '
+        f'columns={{messages="dialog", role="speaker", content="text"}}}}]'
+    )
+    taken = {}
+    for seed in (1, 2):
+        cfg = raw_config(tmp_path, sources, f"packing.seed={seed}")
+        report = read_report(prepare("train", cfg, training_arguments(cfg)))
+        long_mix, short_mix = report["mix"]
+        assert (long_mix["available"], long_mix["taken"], long_mix["rule"]) == (
+            long_mix["available"],
+            long_mix["available"],
+            "all",
+        )
+        assert short_mix["taken"] == round(short_mix["available"] / 2) and short_mix["rule"] == "fraction 0.5"
+        tokenized = read_report(Path(report["input"]))
+        assert [s["lines_read"] for s in tokenized["sources"]] == [40, 30]
+        lines = sorted(
+            line
+            for row in load_stage(prepare("train", cfg, training_arguments(cfg)))
+            for line in row["lines"]
+        )
+        taken[seed] = lines
+    assert taken[1] != taken[2]  # another seed, other short samples; the same counts
+
+
+def test_dry_run_prints_settings_with_sources_and_the_packing(tmp_path, chats, capsys):
+    from longalign.cli import main
+
+    long_path, _ = chats
+    argv = ["train", "--config", str(DEMO), f"data.train_file='{long_path}'", f"model.tokenizer='{TOKENIZER}'",
+            f"training.output_dir='{tmp_path / 'run'}'", "data.sort_by_length=true", "--dry-run"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    strategy = next(line for line in out.splitlines() if line.strip().startswith("packing.strategy"))
+    assert '"sorted"' in strategy and strategy.endswith("command line (as data.sort_by_length)")
+    assert "lines read     40" in out and "strategy       sorted" in out
+    assert out.rstrip().endswith("dry run: no model weights loaded, nothing trained")
+    assert not (tmp_path / "run" / "checkpoint-1").exists()

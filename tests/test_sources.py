@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from longalign.sources import Source, SourceError, fingerprint, kind, mix_indices, read_lines, records
+from longalign.sources import InputError, Source, fingerprint, kind, mix_indices, read_lines, records
 
 CHATS = [
     {
@@ -62,7 +62,7 @@ def test_jsonl_lines_pass_through_as_written(tmp_path):
         (3, ""),
     ]
     path.write_bytes(b'{"a": 1}\n\xff\n')
-    with pytest.raises(SourceError, match="line 2: not valid UTF-8"):
+    with pytest.raises(InputError, match="line 2: not valid UTF-8"):
         list(read_lines(path))
 
 
@@ -92,13 +92,13 @@ def test_unreadable_sources_are_named(tmp_path, monkeypatch):
         (tmp_path / "bad.json", "holds a JSON array of records, got dict"),
         (tmp_path / "bad.parquet", "not a readable Parquet file"),
     ]:
-        with pytest.raises(SourceError, match=message):
+        with pytest.raises(InputError, match=message):
             list(records(Source(str(path))))
     with pytest.raises(
-        SourceError, match="no-such-org/no-such-set: neither in the local datasets cache nor reachable"
+        InputError, match="no-such-org/no-such-set: neither in the local datasets cache nor reachable"
     ):
         list(records(Source("no-such-org/no-such-set")))
-    with pytest.raises(SourceError, match="no split 'test'"):
+    with pytest.raises(InputError, match="no split 'test'"):
         saved = tmp_path / "saved"
         datasets.DatasetDict({"train": datasets.Dataset.from_list(CHATS)}).save_to_disk(str(saved))
         list(records(Source(str(saved), split="test")))
@@ -106,10 +106,10 @@ def test_unreadable_sources_are_named(tmp_path, monkeypatch):
 
 def test_a_source_takes_at_most_one_rule():
     with pytest.raises(
-        SourceError, match="set one of weight, num_samples and fraction, not weight and fraction"
+        InputError, match="set one of weight, num_samples and fraction, not weight and fraction"
     ):
         Source("x.jsonl", weight=1.0, fraction=0.5)
-    with pytest.raises(SourceError, match="fraction must be between 0 and 1"):
+    with pytest.raises(InputError, match="fraction must be between 0 and 1"):
         Source("x.jsonl", fraction=1.5)
 
 
@@ -124,7 +124,7 @@ def test_mix_counts_follow_the_rules():
     assert [len(t) for t in taken] == [100, 150, 50, 100]
     assert taken[0].tolist() == list(range(100))  # taken whole
     assert all(len(set(t.tolist())) == len(t) and list(t) == sorted(t) for t in taken)
-    with pytest.raises(SourceError, match="short: num_samples 2000, but it has 1000 samples"):
+    with pytest.raises(InputError, match="short: num_samples 2000, but it has 1000 samples"):
         mix_indices([1000], [Source("short", num_samples=2000)], seed=0)
 
 

@@ -16,6 +16,7 @@ from transformers import AddedToken, AutoTokenizer
 
 import longalign.tokenize as stage
 from longalign.artifacts import read_report
+from longalign.sources import Source
 from longalign.tokenize import (
     DROP_REASONS,
     IGNORE_INDEX,
@@ -282,13 +283,40 @@ def test_stage_accounts_for_every_line(tmp_path, base_tokenizer):
     assert read_report(tmp_path / "out") == report
 
     ds = datasets.load_from_disk(str(tmp_path / "out"))
-    assert ds.column_names == ["input_ids", "labels", "length", "num_targets", "line"]
-    assert ds["line"] == [1, 10]
+    assert ds.column_names == ["input_ids", "labels", "length", "num_targets", "line", "source"]
+    assert ds["line"] == [1, 10] and ds["source"] == [0, 0]
+    (only,) = report["sources"]  # one input: its own counts are the totals
+    assert only["name"] == str(src) and only["lines_read"] == report["lines_read"]
+    assert only["dropped"] == report["dropped"] and only["total_tokens"] == report["total_tokens"]
     for row in ds:
         assert row["length"] == len(row["input_ids"]) == len(row["labels"])
         assert row["num_targets"] == sum(t != IGNORE_INDEX for t in row["labels"])
     assert report["total_tokens"] == sum(ds["length"])
     assert report["target_tokens"] == sum(ds["num_targets"])
+
+
+def test_several_sources_are_accounted_for_separately(tmp_path, base_tokenizer):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    chats = write_jsonl(tmp_path / "chats.jsonl", [GOOD, "{broken", GOOD])
+    odd = [{"dialog": [{"speaker": "user", "text": "hey"}, {"speaker": "assistant", "text": "hello"}]}] * 2
+    pq.write_table(pa.Table.from_pylist(odd), tmp_path / "odd.parquet")
+    columns = {"messages": "dialog", "role": "speaker", "content": "text"}
+    sources = [Source(str(chats)), Source(str(tmp_path / "odd.parquet"), columns=columns)]
+    report = pre_tokenize(sources, base_tokenizer, tmp_path / "out", max_seq_len=64)
+    first, second = report["sources"]
+    assert (first["lines_read"], first["samples_kept"], first["dropped"]["malformed_json"]) == (3, 2, 1)
+    assert (second["name"], second["lines_read"], second["samples_kept"]) == (
+        str(tmp_path / "odd.parquet"),
+        2,
+        2,
+    )
+    assert report["lines_read"] == 5 and report["samples_kept"] == 4
+    assert report["total_tokens"] == first["total_tokens"] + second["total_tokens"]
+    assert report["first_errors"][0]["file"] == str(chats) and report["first_errors"][0]["line"] == 2
+    ds = datasets.load_from_disk(str(tmp_path / "out"))
+    assert list(zip(ds["source"], ds["line"], strict=True)) == [(0, 1), (0, 3), (1, 1), (1, 2)]
 
 
 @pytest.mark.parametrize("mode", ["right", "left"])
