@@ -162,6 +162,8 @@ def test_training_keys_the_run_sets_itself():
         ),
         ("training.num_train_epochs='two'", "training.num_train_epochs: expected float, got str"),
         ("training.bf16=2", "training.bf16: expected bool, got int"),
+        ("training.sequence_parallel_size=0", "training.sequence_parallel_size: must be >= 1, got 0"),
+        ("training.sequence_parallel_size='2'", "training.sequence_parallel_size: expected int, got str"),
         ("model.torch_dtype=int8", "model.torch_dtype"),
         ("novalue", "expected section.key=value"),
     ],

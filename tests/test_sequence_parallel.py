@@ -1,15 +1,31 @@
-"""Sequence parallelism: what a model must have to split its attention over ranks, and the registry guard."""
+"""Sequence parallelism: a step with every pack split over ranks is the step of the unsplit packs, exactly.
+
+The fast tests cover what a model must have to split its attention, and the guard on the registry. The
+launched ones run the real trainer (DDP or DeepSpeed ZeRO-3, activation checkpointing on) with
+``sequence_parallel_size`` 2 over 2 ranks (one group) and 4 ranks (two groups), every variant of a launch
+in one process (``sequence_parallel_run.py``), and compare each with the same step on one process
+without splitting: the parameters after one plain SGD step (the update the engine applied, so a gradient
+scaled by the group size would show), the step's loss and the eval loss. Two controls break the split on
+purpose and must show a difference.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
-from conftest import tiny_model
+import torch
+from conftest import launch, needs_deepspeed, needs_launcher, tiny_model
+from sequence_parallel_run import one_step
 from transformers import DeepseekV3Config, LlamaConfig, Qwen3NextConfig
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import longalign.patch
 from longalign.patch import ATTENTION_NAMES, UnsupportedModelError, sequence_parallel_problems
 from longalign.patch.sequence_parallel import SUFFIX
+
+HERE = Path(__file__).resolve().parent
+WEIGHTINGS = ("sequence_level", "token_level")
 
 # --- what a model needs ----------------------------------------------------------------------------------
 
@@ -61,3 +77,95 @@ def test_a_name_wrapped_for_sequence_parallelism_is_not_registered_again(monkeyp
 def test_splitting_needs_a_process_group():
     with pytest.raises(ValueError, match="needs a process group: start the run with accelerate launch"):
         tiny_model(backend="sdpa_segments", sequence_parallel_size=2)
+
+
+# --- through the real trainer, against one process -------------------------------------------------------
+
+# name: (ranks, ZeRO stage or "none" for DDP, variants computed in that one launch)
+LAUNCHES = {
+    "2 ranks, DDP": (
+        2,
+        "none",
+        [*WEIGHTINGS, "sequence_level:in_shard_shift", "token_level:whole_pack_weights"],
+    ),
+    "2 ranks, ZeRO-3": (2, "3", list(WEIGHTINGS)),
+    "4 ranks in 2 groups, DDP": (4, "none", list(WEIGHTINGS)),
+    "4 ranks in 2 groups, ZeRO-3": (4, "3", list(WEIGHTINGS)),
+}
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    """One process, packs not split: the step every launch must reproduce; and the starting parameters."""
+    start = {name: p.detach().clone() for name, p in tiny_model().named_parameters()}
+    return {"start": start, **{weighting: one_step(weighting) for weighting in WEIGHTINGS}}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """Run a launch of ``LAUNCHES`` once per module; its results by variant."""
+    done: dict[str, dict] = {}
+
+    def run(name: str) -> dict:
+        if name not in done:
+            ranks, stage, variants = LAUNCHES[name]
+            out = tmp_path_factory.mktemp("sp") / "results.pt"
+            result = launch(
+                HERE / "sequence_parallel_run.py", str(out), "2", stage, *variants,
+                num_processes=ranks, env={"PYTHONPATH": str(HERE)},
+            )  # fmt: skip
+            assert result.returncode == 0, result.stderr[-4000:]
+            done[name] = torch.load(out)
+        return done[name]
+
+    return run
+
+
+def update_difference(got: dict, want: dict, start: dict) -> float:
+    """Largest relative difference between the updates one step applied to any parameter."""
+    return max(
+        float(((start[k] - got["params"][k]) - (start[k] - want["params"][k])).norm())
+        / float((start[k] - want["params"][k]).norm())
+        for k in start
+    )
+
+
+def update_ratio(got: dict, want: dict, start: dict) -> float:
+    """Size of the whole update against the reference's: 1 when the engine applied the true gradient."""
+
+    def size(result: dict) -> float:
+        return sum(float((start[k] - result["params"][k]).square().sum()) for k in start) ** 0.5
+
+    return size(got) / size(want)
+
+
+@pytest.mark.integration
+@needs_launcher
+@needs_deepspeed
+@pytest.mark.parametrize("name", LAUNCHES)
+def test_split_packs_give_the_step_of_the_whole_packs(name, launched, reference):
+    results = launched(name)
+    for weighting in WEIGHTINGS:
+        got, want = results[weighting], reference[weighting]
+        assert update_difference(got, want, reference["start"]) < 1e-4, weighting
+        assert update_ratio(got, want, reference["start"]) == pytest.approx(1, rel=1e-5)
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+        assert got["eval_loss"] == pytest.approx(want["eval_loss"], rel=1e-6)
+        # Every rank of a group sees the pack: the logs count it, its samples and tokens once.
+        assert got["logged"] == want["logged"]
+    assert "is wrapped by DeepSpeed's Ulysses layer" in results["guard"]
+
+
+@pytest.mark.integration
+@needs_launcher
+@needs_deepspeed
+def test_controls_that_break_the_split_show_it(launched, reference):
+    results, start = launched("2 ranks, DDP"), reference["start"]
+    # Shifting inside each slice loses the targets whose label sits on the next rank.
+    in_shard = results["sequence_level:in_shard_shift"]
+    assert update_difference(in_shard, reference["sequence_level"], start) > 0.05
+    assert in_shard["loss"] != pytest.approx(reference["sequence_level"]["loss"], rel=1e-3)
+    # Every rank counting the whole pack's weight doubles the denominator: half the true step.
+    whole = results["token_level:whole_pack_weights"]
+    assert update_ratio(whole, reference["token_level"], start) == pytest.approx(0.5, rel=1e-5)
+    assert whole["loss"] == pytest.approx(reference["token_level"]["loss"] / 2, rel=1e-6)
