@@ -390,6 +390,7 @@ def preflight(cfg: Config, env_names: Sequence[str] = DEFAULT_ENV) -> PreflightR
             else None,
             device=args.device,
             dtype=compute_dtype(model_dtype(cfg), bf16=args.bf16, fp16=args.fp16),
+            batch_size=args.per_device_train_batch_size,
             env_names=env_names,
         )
     finally:

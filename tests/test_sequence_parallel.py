@@ -6,16 +6,27 @@ launched ones run the real trainer (DDP or DeepSpeed ZeRO-3, activation checkpoi
 in one process (``sequence_parallel_run.py``), and compare each with the same step on one process
 without splitting: the parameters after one plain SGD step (the update the engine applied, so a gradient
 scaled by the group size would show), the step's loss and the eval loss. Two controls break the split on
-purpose and must show a difference.
+purpose and must show a difference. Last, ``train.py`` and the memory probe as users launch them.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import launch, needs_deepspeed, needs_launcher, tiny_model
+from conftest import (
+    DEMO,
+    ROOT,
+    count_packs,
+    demo_overrides,
+    launch,
+    needs_deepspeed,
+    needs_launcher,
+    save_packs,
+    tiny_model,
+)
 from sequence_parallel_run import one_step
 from transformers import DeepseekV3Config, LlamaConfig, Qwen3NextConfig
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -169,3 +180,43 @@ def test_controls_that_break_the_split_show_it(launched, reference):
     whole = results["token_level:whole_pack_weights"]
     assert update_ratio(whole, reference["token_level"], start) == pytest.approx(0.5, rel=1e-5)
     assert whole["loss"] == pytest.approx(reference["token_level"]["loss"] / 2, rel=1e-6)
+
+
+# --- the run as users start it ---------------------------------------------------------------------------
+
+
+@pytest.mark.integration
+@needs_launcher
+@needs_deepspeed
+def test_train_splits_each_pack_over_two_ranks_after_the_preflight(tmp_path):
+    packs = save_packs(tmp_path / "packs", count_packs([[40, 21], [30], [50, 11], [25, 24]]))
+    result = launch(
+        ROOT / "train.py", "--config", str(DEMO), *demo_overrides(tmp_path / "run", packs),
+        "training.sequence_parallel_size=2", "training.max_steps=2", "training.logging_steps=1",
+        "training.save_strategy='no'", "training.disable_tqdm=true", "data.eval_file=''",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = {line.split("  ")[0]: line.split() for line in result.stdout.splitlines()}
+    assert rows["sequence parallel"][2:] == ["ok", "all", "2", "ranks", "per", "pack,", "1", "group"]
+    assert rows["first packs"][2:5] == ["ok", "all", "group"]  # one group: both ranks hold the same packs
+    state = json.loads((tmp_path / "run" / "trainer_state.json").read_text())
+    steps = [entry for entry in state["log_history"] if "loss" in entry]
+    assert [entry["packs_per_step"] for entry in steps] == [1, 1]  # each pack counted once, not per rank
+
+
+@pytest.mark.integration
+@needs_launcher
+@needs_deepspeed
+def test_probe_runs_the_length_ladder_with_each_pack_split(tmp_path):
+    output = tmp_path / "probe.json"
+    result = launch(
+        ROOT / "scripts" / "probe_memory.py", "--config", str(DEMO), "--output", str(output),
+        "--lengths", "1k,2k", "training.sequence_parallel_size=2",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    assert "2 rank(s), 1 pack(s) of each length per group of 2 ranks (each pack split over" in result.stdout
+    report = json.loads(output.read_text())
+    assert report["sequence_parallel_size"] == 2 and report["largest_fitting_length"] == 2048
+    for entry in report["results"]:
+        assert entry["status"] == "fits" and [r["rank"] for r in entry["ranks"]] == [0, 1]
+        assert all(r["peak_bytes"] > 0 and r["step_seconds"] > 0 for r in entry["ranks"])
