@@ -28,10 +28,11 @@ from conftest import (
     tiny_model,
 )
 from sequence_parallel_run import one_step
-from transformers import DeepseekV3Config, LlamaConfig, Qwen3NextConfig
+from transformers import DeepseekV3Config, GlmConfig, LlamaConfig, Qwen3NextConfig
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import longalign.patch
+from longalign.config import load_config
 from longalign.patch import ATTENTION_NAMES, UnsupportedModelError, sequence_parallel_problems
 from longalign.patch.sequence_parallel import SUFFIX
 
@@ -62,6 +63,24 @@ def test_attention_that_is_not_split_by_heads_is_refused():
         "it has linear_attention layers, which mix tokens outside attention and would see only one rank's "
         "slice of the pack"
     ]
+
+
+@pytest.mark.parametrize(
+    "run_file, config",
+    [
+        (
+            "llama3_8b_256k_sp8.toml",
+            LlamaConfig(num_attention_heads=32, num_key_value_heads=8),
+        ),  # Llama-3.1-8B
+        (
+            "glm4_9b_128k_sp4.toml",
+            GlmConfig(num_attention_heads=32, num_key_value_heads=2),
+        ),  # glm-4-9b-chat-hf
+    ],
+)
+def test_the_shipped_split_run_files_fit_their_models(run_file, config):
+    size = load_config(ROOT / "configs" / run_file).training.sequence_parallel_size
+    assert sequence_parallel_problems(config, size) == []
 
 
 def test_apply_refuses_a_model_that_cannot_split_before_touching_the_registry():
