@@ -87,10 +87,15 @@ def wrap(model: torch.nn.Module, size: int, backend: str) -> str:
             f"sequence parallelism is already set up in this process for another attention ({', '.join(_WRAPPED) or 'outside longalign'}); "
             "DeepSpeed sets it up once per process"
         )
+    try:
+        import deepspeed
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    except ImportError as err:
+        raise ValueError(
+            f"sequence parallelism runs on DeepSpeed, which does not import ({err}): pip install 'longalign[sp]'"
+        ) from None
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("sequence parallelism needs a process group: start the run with accelerate launch")
-    import deepspeed
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
     if not deepspeed.comm.is_initialized():  # accelerate's DeepSpeed launches have done it already
         deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
