@@ -26,10 +26,11 @@ from transformers import TrainingArguments
 
 import longalign.patch
 from longalign.batching import PackCollator
+from longalign.patch.sequence_parallel import SUFFIX
 from longalign.run import close, release
 from longalign.trainer import LongAlignTrainer
 
-SAMPLES_PER_PACK = 2  # 4 packs of 7 to 26 tokens: most are odd, so the collator pads them
+SAMPLES_PER_PACK = 2  # 4 packs of 13 to 23 tokens, all odd: the collator pads every one
 
 
 class InShardShift(PackCollator):
@@ -160,7 +161,7 @@ if __name__ == "__main__":
     results = {variant: one_step(variant, size=int(size), zero_stage=zero_stage) for variant in variants}
     try:
         longalign.patch.register(
-            "sdpa_segments", name=longalign.patch.ATTENTION_NAMES["sdpa_segments"] + "_ulysses"
+            "sdpa_segments", name=longalign.patch.ATTENTION_NAMES["sdpa_segments"] + SUFFIX
         )
         results["guard"] = "registered again"
     except ValueError as err:
