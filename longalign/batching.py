@@ -20,13 +20,17 @@ trainer can normalise exactly::
 Labels are not shifted: ``labels[t]`` is predicted from position ``t - 1``. Masking the first label of each
 sample means the last token of B never learns to predict c0, whatever the loss does with the shift.
 
-Which packs a rank gets is decided by :class:`PackBatchSampler` (seeded, balanced by attention cost);
+Under sequence parallelism a pack is split over ``sequence_parallel_size`` consecutive ranks (a group):
+every rank of a group collates the same pack and keeps its own slice (:func:`shard_batch`).
+
+Which packs a group gets is decided by :class:`PackBatchSampler` (seeded, balanced by attention cost);
 :func:`pack_loader` puts sampler, :class:`PackRows` and :class:`PackCollator` together.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -81,9 +85,10 @@ class PackCollator:
     all masked, so it weighs nothing. Returns ``input_ids``, ``labels``, ``position_ids`` and
     ``loss_weights`` of shape ``[1, T]``, ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (int32, equal),
     ``max_length_q`` / ``max_length_k`` (int), ``loss_denominator`` (float: this micro-batch's share of
-    the step's denominator D) and the counts ``num_packs`` / ``num_samples`` of the active rows; see the
-    module docstring for a worked example. The step's loss is sum(w * CE) / sum(loss_denominator) over all
-    micro-batches and ranks of the step. Per weighting, with N_i the targets of sample i:
+    the step's denominator D) and the counts ``num_packs`` / ``num_samples`` / ``num_tokens`` of the active
+    rows (own tokens, no filler); see the module docstring for a worked example. The step's loss is
+    sum(w * CE) / sum(loss_denominator) over all micro-batches and ranks of the step. Per weighting, with
+    N_i the targets of sample i:
 
     - ``token_level``: w = 1, denominator = sum of w: the step's mean over target tokens (exact).
     - ``sequence_level``: w = 1 / N_i, denominator = sum of w = M, the samples with targets: the mean over
@@ -97,22 +102,34 @@ class PackCollator:
 
     The references depend on how samples are split into packs and micro-batches; the exact two do not.
 
-    ``pad_packs_to`` pads every row to that many tokens with a filler segment of its own (its own entry
-    in ``cu_seq_lens``, no targets, weight 0), so every micro-batch has the same shape::
+    Filler segments pad a row where a fixed shape is needed: each has its own entry in ``cu_seq_lens``
+    (so it attends only to itself), labels ``ignore_index`` and weight 0. ``pad_packs_to`` pads every
+    pack row to that many tokens, so every micro-batch has the same shape, and ``pad_to_multiple_of``
+    pads the whole row to a multiple of that many tokens::
 
         pad_packs_to 8, row [a0 a1 a2 | b0 b1]  ->  [a0 a1 a2 | b0 b1 | f f f],  cu_seq_lens [0, 3, 5, 8]
 
-    ``num_tokens`` counts the active rows' own tokens, without filler.
+    With ``sequence_parallel_size = N > 1`` the row is padded to a multiple of N as well and the batch is
+    this rank's slice of it (:func:`shard_batch`; exact weightings only).
     """
 
     weighting: str = "sequence_level"
     ignore_index: int = -100
     longwriter_divisor: float = 30.0
     pad_packs_to: int | None = None  # pad every pack row to this many tokens (static shapes)
+    pad_to_multiple_of: int = 1  # pad the whole row with one filler segment to a multiple of this
     pad_token_id: int = 0  # the filler's tokens: any id works, the filler attends only to itself
+    sequence_parallel_size: int = 1  # ranks a pack is split over; > 1 returns one slice of the row
+    sequence_parallel_rank: int = 0  # which slice: the rank's place in its group, 0 .. size - 1
 
     def __post_init__(self) -> None:
         _check_weighting(self.weighting)
+        if self.pad_to_multiple_of < 1:
+            raise ValueError(f"pad_to_multiple_of: must be >= 1, got {self.pad_to_multiple_of}")
+        if not 0 <= self.sequence_parallel_rank < self.sequence_parallel_size:
+            raise ValueError(
+                f"sequence_parallel_rank {self.sequence_parallel_rank} outside 0..{self.sequence_parallel_size - 1}"
+            )
 
     def __call__(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         if not rows:
@@ -132,6 +149,12 @@ class PackCollator:
             ids, labels, per_row = self._pad(ids, labels, per_row)
         seq_lens = torch.cat(per_row)
         input_ids, labels = torch.cat(ids), torch.cat(labels)
+        # One filler at the end: to the multiple asked, and to equal slices for the ranks of a group.
+        filler = -len(input_ids) % math.lcm(self.pad_to_multiple_of, self.sequence_parallel_size)
+        if filler:
+            seq_lens = torch.cat([seq_lens, torch.tensor([filler])])
+            input_ids = torch.cat([input_ids, torch.full((filler,), self.pad_token_id)])
+            labels = torch.cat([labels, torch.full((filler,), self.ignore_index)])
         exact = self.weighting in EXACT_WEIGHTINGS
         labels, weights = mask_and_weigh(
             labels, seq_lens, self.weighting if exact else "token_level", self.ignore_index
@@ -140,15 +163,15 @@ class PackCollator:
         if self.weighting == "pack_token_mean" and denominator:
             weights, denominator = weights / denominator, 1.0
         elif self.weighting == "longwriter":
-            row_tokens = [len(row_ids) for row_ids in ids]
+            row_tokens = [len(row_ids) for row_ids in ids] + [len(input_ids) - sum(map(len, ids))]
             weights, denominator = _longwriter_weights(
-                weights, row_tokens, num_samples, self.longwriter_divisor
+                weights, row_tokens, [*num_samples, 0], self.longwriter_divisor
             )
         cu_seq_lens = torch.nn.functional.pad(torch.cumsum(seq_lens, 0), (1, 0)).to(torch.int32)
         starts = torch.repeat_interleave(cu_seq_lens[:-1].long(), seq_lens)
         position_ids = torch.arange(len(input_ids)) - starts
         max_length = int(seq_lens.max())
-        return {
+        batch = {
             "input_ids": input_ids[None],
             "labels": labels[None],
             "position_ids": position_ids[None],
@@ -162,6 +185,11 @@ class PackCollator:
             "num_packs": sum(active),
             "num_samples": sum(n for n, on in zip(num_samples, active, strict=True) if on),
         }
+        if self.sequence_parallel_size == 1:
+            return batch
+        return shard_batch(
+            batch, self.sequence_parallel_size, self.sequence_parallel_rank, ignore_index=self.ignore_index
+        )
 
     def _pad(
         self, ids: list[torch.Tensor], labels: list[torch.Tensor], per_row: list[torch.Tensor]
@@ -178,6 +206,44 @@ class PackCollator:
             padded[1].append(torch.cat([row_labels, filler.fill_(self.ignore_index)]))
             padded[2].append(torch.cat([lens, torch.tensor([missing])]) if missing else lens)
         return padded
+
+
+# Keys of a batch that run along its tokens: a shard keeps its slice of each.
+_TOKEN_KEYS = ("input_ids", "labels", "position_ids", "loss_weights")
+
+
+def shard_batch(
+    batch: Mapping[str, Any], size: int, rank: int, *, ignore_index: int = -100
+) -> dict[str, Any]:
+    """Slice ``rank`` of ``size`` of a whole-row batch, with the targets shifted over the whole row first.
+
+    Each rank keeps ``T / size`` consecutive tokens (``T`` must be a multiple of ``size``: the collator
+    pads). ``shift_labels`` / ``shift_loss_weights`` hold the label and weight each position predicts,
+    taken before slicing, so the prediction that crosses a slice boundary is kept; ``labels`` /
+    ``loss_weights`` are the slice of the unshifted ones (their sum over the ranks of a group is the
+    pack's weight, what the step denominator counts). ``cu_seq_lens_q/k`` and ``max_length_q/k`` stay
+    whole (attention sees the whole row); ``position_ids`` are the slice (DeepSpeed's Ulysses layer gathers
+    them). Samples A (3 tokens) and B (4 tokens), padded with a 1-token filler F, over 2 ranks::
+
+                        rank 0               rank 1
+        input_ids       a0  a1  a2  b0   |   b1  b2  b3  f0
+        labels          -   a1  a2  -    |   b1  b2  b3  -
+        shift_labels    a1  a2  -   b1   |   b2  b3  -   -      b0 predicts b1, which sits on rank 1
+        position_ids    0   1   2   0    |   1   2   3   0
+        cu_seq_lens     [0, 3, 7, 8] on both ranks, max_length 4
+    """
+    length = batch["input_ids"].shape[-1]
+    if length % size:
+        raise ValueError(f"a row of {length} tokens does not split into {size} equal slices; pad it first")
+    ignored = torch.full_like(batch["labels"][..., :1], ignore_index)
+    shift_labels = torch.cat([batch["labels"][..., 1:], ignored], dim=-1)
+    shift_weights = torch.nn.functional.pad(batch["loss_weights"][..., 1:], (0, 1))
+    own = slice(rank * (length // size), (rank + 1) * (length // size))
+    out = {**batch, **{key: batch[key][..., own] for key in _TOKEN_KEYS}}
+    out["shift_labels"] = shift_labels[..., own]
+    out["shift_loss_weights"] = shift_weights[..., own]
+    out["loss_denominator"] = float(out["loss_weights"].double().sum())  # the group's sum is the pack's
+    return out
 
 
 def _longwriter_weights(
@@ -270,13 +336,16 @@ def pack_costs(packs) -> np.ndarray:
 class PackBatchSampler:
     """Micro-batches of pack indices for one rank: seeded reshuffle per epoch, ranks balanced by cost.
 
-    Each global micro-step takes the next ``packs_per_batch * num_replicas`` packs of the epoch's order
-    and deals them to ranks largest-cost first, each to the least-loaded rank with room, so ranks wait
-    less for the slowest. Every rank gets the same number of micro-batches: where the last step has too
-    few packs, a rank gets a copy of a pack with ``active=False``, which the collator weighs 0 (it keeps
-    the collectives in step and adds nothing to the loss)::
+    Each global micro-step takes the next ``packs_per_batch * groups`` packs of the epoch's order and
+    deals them to the groups largest-cost first, each to the least-loaded group with room, so ranks wait
+    less for the slowest. A group is one rank, or under sequence parallelism ``sequence_parallel_size``
+    consecutive ranks that share every pack (``groups = num_replicas / sequence_parallel_size``). Every
+    group gets the same number of micro-batches: where the last step has too few packs, a group gets a
+    copy of a pack with ``active=False``, which the collator weighs 0 (it keeps the collectives in step
+    and adds nothing to the loss)::
 
         costs [9, 1, 4, 4], 2 ranks x 1 pack:  step 1 -> rank 0 gets 9, rank 1 gets 4 ...
+        4 ranks, sequence_parallel_size 2:     step 1 -> ranks 0, 1 get 9; ranks 2, 3 get 4 ...
         yields [(pack_index, active), ...] per micro-batch
     """
 
@@ -287,6 +356,7 @@ class PackBatchSampler:
         packs_per_batch: int = 1,
         num_replicas: int = 1,
         rank: int = 0,
+        sequence_parallel_size: int = 1,
         seed: int = 0,
         shuffle: bool = True,
     ) -> None:
@@ -294,10 +364,14 @@ class PackBatchSampler:
             raise ValueError("PackBatchSampler: no packs")
         if not 0 <= rank < num_replicas:
             raise ValueError(f"PackBatchSampler: rank {rank} outside 0..{num_replicas - 1}")
+        if num_replicas % sequence_parallel_size:
+            raise ValueError(
+                f"PackBatchSampler: {num_replicas} ranks do not split into groups of {sequence_parallel_size}"
+            )
         self.costs = np.asarray(costs, dtype=np.float64)
         self.packs_per_batch = packs_per_batch
-        self.num_replicas = num_replicas
-        self.rank = rank
+        self.groups = num_replicas // sequence_parallel_size
+        self.group = rank // sequence_parallel_size  # sequence-parallel groups are consecutive ranks
         self.seed = seed
         self.shuffle = shuffle
         self.epoch = 0
@@ -306,30 +380,30 @@ class PackBatchSampler:
         self.epoch = epoch
 
     def __len__(self) -> int:
-        return -(-len(self.costs) // (self.packs_per_batch * self.num_replicas))
+        return -(-len(self.costs) // (self.packs_per_batch * self.groups))
 
     def __iter__(self) -> Iterator[list[tuple[int, bool]]]:
         n = len(self.costs)
         order = (
             np.random.default_rng([self.seed, self.epoch]).permutation(n) if self.shuffle else np.arange(n)
         )
-        group = self.packs_per_batch * self.num_replicas
-        for start in range(0, n, group):
-            yield self._deal(order[start : start + group])[self.rank]
+        step = self.packs_per_batch * self.groups
+        for start in range(0, n, step):
+            yield self._deal(order[start : start + step])[self.group]
 
     def _deal(self, packs: np.ndarray) -> list[list[tuple[int, bool]]]:
         by_cost = sorted(packs.tolist(), key=lambda i: (-self.costs[i], i))
-        ranks: list[list[tuple[int, bool]]] = [[] for _ in range(self.num_replicas)]
-        load = [0.0] * self.num_replicas
+        groups: list[list[tuple[int, bool]]] = [[] for _ in range(self.groups)]
+        load = [0.0] * self.groups
         for index in by_cost:
-            open_ranks = [r for r in range(self.num_replicas) if len(ranks[r]) < self.packs_per_batch]
-            target = min(open_ranks, key=lambda r: (load[r], r))
-            ranks[target].append((index, True))
+            open_groups = [g for g in range(self.groups) if len(groups[g]) < self.packs_per_batch]
+            target = min(open_groups, key=lambda g: (load[g], g))
+            groups[target].append((index, True))
             load[target] += self.costs[index]
-        for assigned in ranks:
+        for assigned in groups:
             if not assigned:
                 assigned.append((by_cost[-1], False))
-        return ranks
+        return groups
 
 
 class PackRows(Dataset):
@@ -360,17 +434,24 @@ def pack_loader(
     batch_size: int,
     num_replicas: int = 1,
     rank: int = 0,
+    sequence_parallel_size: int = 1,
     seed: int = 0,
     shuffle: bool = True,
     num_workers: int = 0,
     pin_memory: bool = False,
 ) -> PackDataLoader:
-    """This rank's micro-batches over a pack dataset: ``batch_size`` packs each, balanced across ranks."""
+    """This rank's micro-batches over a pack dataset: ``batch_size`` packs each, balanced across groups.
+
+    Under sequence parallelism the collator must cut this rank's slice (``PackCollator``'s
+    ``sequence_parallel_size`` and ``sequence_parallel_rank``): the loader gives every rank of a group the
+    same packs.
+    """
     sampler = PackBatchSampler(
         pack_costs(packs),
         packs_per_batch=batch_size,
         num_replicas=num_replicas,
         rank=rank,
+        sequence_parallel_size=sequence_parallel_size,
         seed=seed,
         shuffle=shuffle,
     )

@@ -224,7 +224,14 @@ class TrainingConfig:
     output_dir: str = "runs/longalign"
     preflight: bool | None = None  # run the multi-rank checks before the first step; default: when ranks > 1
     resume_ignore_changes: bool = False  # resume although the data, packing or loss settings changed
+    sequence_parallel_size: int = 1  # ranks each pack is split over (DeepSpeed Ulysses); 1 = off
     args: dict[str, Any] = field(default_factory=dict)  # every other key, for transformers.TrainingArguments
+
+    def __post_init__(self) -> None:
+        if self.sequence_parallel_size < 1:
+            raise ConfigError(
+                f"training.sequence_parallel_size: must be >= 1, got {self.sequence_parallel_size}"
+            )
 
 
 _OWN_TRAINING_KEYS = [f.name for f in dataclasses.fields(TrainingConfig) if f.name != "args"]

@@ -14,8 +14,8 @@ and what a sharded row must keep)::
 2. **Targets.** The batch carries ``labels`` and ``loss_weights`` aligned with the tokens the model sees.
    By default position ``t`` predicts ``labels[t + 1]`` inside its row (labels not shifted, as the
    collator writes them). A batch that holds only a slice of a row, where the next label may sit in
-   another slice, carries ``shift_labels`` and ``shift_loss_weights`` instead: already shifted, so
-   position ``t`` predicts ``shift_labels[t]``.
+   another slice (sequence parallelism), carries ``shift_labels`` and ``shift_loss_weights`` as well:
+   already shifted, so position ``t`` predicts ``shift_labels[t]``; the loss then uses them alone.
 3. **Guarantees.** Only target positions are gathered, and their logits are computed ``chunk_size`` rows
    at a time and recomputed in backward, so no ``[tokens, vocab]`` buffer exists. The head's weight is
    used inside the head module's own call, so FSDP and DeepSpeed ZeRO-3 gather it around forward and

@@ -14,6 +14,9 @@ round trip, the host and device); rank 0 compares them and prints one table, one
     dataset: rank 1 differs from rank 0 (2 packs, ... vs 3 packs, ...). Fix: copy the same packed dataset ...
 
 Checks made with ``must_agree=False`` (host, device, free memory) are shown but never fail the preflight.
+Under sequence parallelism two more rows: the split (every rank must agree on it), and the packs each
+group's first micro-batch holds, compared within each group only (the ranks of a group share every pack,
+groups get different ones).
 ``longalign preflight`` (``scripts/preflight.py``) runs it on its own, without a model; ``longalign train``
 runs it after building the trainer when ``[training] preflight`` is true, or unset with more than one rank
 (both in ``longalign.run``).
@@ -36,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from longalign.attention import resolve_backend
-from longalign.batching import packs_fingerprint
+from longalign.batching import PackBatchSampler, pack_costs, packs_fingerprint
 from longalign.config import Config
 from longalign.redact import redact
 
@@ -60,6 +63,10 @@ FIX_CONFIG = "launch every rank with the same config file and the same overrides
 FIX_TOKENIZER = "point every rank at the same tokenizer files (model.tokenizer)"
 FIX_DATASET = "copy the same packed dataset to every node, or point data.{key} at shared storage"
 FIX_ENV = "export the same value of {name} on every node, or leave it unset everywhere"
+FIX_GROUP = (
+    "the ranks of a sequence-parallel group must collate the same packs: give them the same packed dataset, "
+    "packing.seed and per_device_batch_size"
+)
 FIX_ALL_REDUCE = (
     "check the collective backend's network settings (NCCL_SOCKET_IFNAME, NCCL_IB_*, firewalls, "
     "MASTER_ADDR/MASTER_PORT)"
@@ -76,6 +83,7 @@ class Check:
     error: str | None = None  # the check itself failed on this rank
     fix: str = ""  # what to do when ranks disagree or the check fails
     detail: dict[str, str] | None = None  # parts of the value, to name the ones that differ
+    group: int | None = None  # compared only with the ranks of the same group (sequence parallelism)
 
 
 @dataclass(frozen=True)
@@ -163,6 +171,44 @@ def packs_check(name: str, packs: Any, key: str) -> Check:
     return Check(name, packs_fingerprint(packs), fix=FIX_DATASET.format(key=key))
 
 
+def sequence_parallel_checks(
+    cfg: Config, packs: Any, *, rank: int, world_size: int, batch_size: int
+) -> list[Check]:
+    """The split of the ranks into groups, and the packs of this rank's first micro-batch, by group.
+
+    The packs are dealt as the trainer deals them (``PackBatchSampler``, epoch 0); the value names them
+    and hashes their ``cu_seqlens``, so a rank with another copy of the data differs as well::
+
+        4 ranks, sequence_parallel_size 2  ->  ranks 0, 1: "group 0: packs [7], cu_seqlens 3f0a..."
+                                               ranks 2, 3: "group 1: packs [2], cu_seqlens 91c4..."
+    """
+    size = cfg.training.sequence_parallel_size
+    groups = world_size // size
+    split = Check(
+        "sequence parallel",
+        f"{size} ranks per pack, {groups} group{'s' if groups != 1 else ''}",
+        fix=FIX_CONFIG,
+    )
+    group = rank // size
+
+    def first_packs() -> Check:
+        sampler = PackBatchSampler(
+            pack_costs(packs),
+            packs_per_batch=batch_size,
+            num_replicas=world_size,
+            rank=rank,
+            sequence_parallel_size=size,
+            seed=cfg.packing.seed,
+        )
+        batch = next(iter(sampler))
+        indices = [int(index) for index, _ in batch]
+        cu_seqlens = [list(packs[index]["cu_seqlens"]) for index in indices]
+        value = f"group {group}: packs {indices}, cu_seqlens {_digest(json.dumps(cu_seqlens))}"
+        return Check("first packs", value, fix=FIX_GROUP, group=group)
+
+    return [split, attempt("first packs", first_packs, FIX_GROUP)]
+
+
 def env_checks(names: Sequence[str], environ: Mapping[str, str]) -> list[Check]:
     """One row per name or ``PREFIX*`` pattern; values of secret-looking names only as a short hash.
 
@@ -219,10 +265,14 @@ def rank_checks(
     load_eval_packs: Callable[[], Any] | None,
     device: torch.device,
     dtype: torch.dtype,
+    batch_size: int = 1,
     env_names: Sequence[str] = DEFAULT_ENV,
     environ: Mapping[str, str] | None = None,
 ) -> list[Check]:
-    """Everything this rank reports. Loaders are called here, so a rank that cannot load still reports."""
+    """Everything this rank reports. Loaders are called here, so a rank that cannot load still reports.
+
+    ``batch_size`` is the packs per micro-batch, which decides how packs are dealt to groups.
+    """
     environ = os.environ if environ is None else environ
     checks = version_checks()
     checks.append(backend_check(device, dtype, cfg.model.attn_backend))
@@ -234,6 +284,15 @@ def rank_checks(
         fix = FIX_DATASET.format(key="eval_file")
         checks.append(
             attempt("eval dataset", lambda: packs_check("eval dataset", load_eval_packs(), "eval_file"), fix)
+        )
+    if cfg.training.sequence_parallel_size > 1:
+        distributed = dist.is_available() and dist.is_initialized()
+        checks += sequence_parallel_checks(
+            cfg,
+            load_packs(),
+            rank=dist.get_rank() if distributed else 0,
+            world_size=dist.get_world_size() if distributed else 1,
+            batch_size=batch_size,
         )
     checks += env_checks(env_names, environ)
     checks.append(all_reduce_check(device))
@@ -271,13 +330,18 @@ def compare(reports: list[list[Check]]) -> PreflightReport:
         must_agree = any(check.must_agree for check in checks)
         failed = [rank for rank, check in enumerate(checks) if check.error]
         fix = next((check.fix for check in checks if check.fix), "")
+        # Checks with a group are compared within each group; others across all ranks.
+        scopes: dict[int | None, dict[str, list[int]]] = {}
+        for rank, check in enumerate(checks):
+            scopes.setdefault(check.group, {}).setdefault(_shown_value(check), []).append(rank)
+        split = [scope for scope in scopes.values() if len(scope) > 1]
         if failed:
             status = "FAILED"
             where = f" on {_ranks(failed, word=True)}" if len(reports) > 1 else ""
             problems.append(f"{name}: failed{where}: {checks[failed[0]].error}. Fix: {fix}")
-        elif len(groups) > 1 and must_agree:
+        elif split and must_agree:
             status = "DIFFERS"
-            problems.append(_disagreement(name, groups, checks, fix))
+            problems += [_disagreement(name, scope, checks, fix) for scope in split]
         else:
             status = "ok" if must_agree else "info"
         for i, (value, ranks) in enumerate(groups.items()):
@@ -310,6 +374,7 @@ def check_trainer(trainer: Any, cfg: Config, env_names: Sequence[str] = DEFAULT_
         load_eval_packs=(lambda: trainer.eval_dataset) if trainer.eval_dataset is not None else None,
         device=args.device,
         dtype=compute_dtype(trainer.model.dtype, bf16=args.bf16, fp16=args.fp16),
+        batch_size=args.per_device_train_batch_size,
         env_names=env_names,
     )
 

@@ -341,6 +341,12 @@ def suggestions(
             "turn on activation checkpointing (training.activation_checkpointing=true): keeps one layer's "
             "activations at a time instead of all of them, for about a third more compute"
         )
+    split = cfg.training.sequence_parallel_size
+    out.append(
+        f"split each pack over more ranks (training.sequence_parallel_size={2 * split}, now {split}; DeepSpeed "
+        "Ulysses): each rank holds 1/N of a pack's tokens and activations; the world size and the attention "
+        "heads must split into N"
+    )
     batch = args.get("per_device_train_batch_size", _default_batch_size())
     if batch > 1:
         out.append(
@@ -439,9 +445,12 @@ def ladder(request: ProbeRequest, cfg: Config, say: Callable[[str], None]) -> in
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a launcher stopping us: end the step too
     vocab_size = len(load_tokenizer(cfg))
     per_rank = cfg.training.args.get("per_device_train_batch_size", _default_batch_size())
+    split = cfg.training.sequence_parallel_size
+    groups = max(ranks.world // split, 1)  # a world that does not split is refused by the steps themselves
     entries: list[dict[str, Any]] = []
+    holder = f"group of {split} ranks (each pack split over the group)" if split > 1 else "rank"
     ranks.say(
-        f"probe of {request.config}: {ranks.world} rank(s), {per_rank} pack(s) of each length per rank and step"
+        f"probe of {request.config}: {ranks.world} rank(s), {per_rank} pack(s) of each length per {holder} and step"
     )
     ranks.say(format_row(None))
     # The steps' files live next to the report: a killed probe's are removed by the next one there.
@@ -449,7 +458,7 @@ def ladder(request: ProbeRequest, cfg: Config, say: Callable[[str], None]) -> in
         for length in request.lengths:
             pack = synthetic_pack(length, vocab_size=vocab_size, seed=request.seed)
             work = Path(tmp) / format_length(length)
-            datasets.Dataset.from_list([pack] * (per_rank * ranks.world)).save_to_disk(str(work / "packs"))
+            datasets.Dataset.from_list([pack] * (per_rank * groups)).save_to_disk(str(work / "packs"))
             result = _run_length(request, length, work, ranks)
             entry = combine_ranks(length, ranks.gather(result), max_memory=request.max_memory)
             entry.update(samples_per_pack=len(pack["seq_lens"]), packs_per_rank=per_rank)
@@ -495,6 +504,7 @@ def _report(
         "lengths": request.lengths,
         "packs_per_rank": entries[0]["packs_per_rank"],
         "world_size": world,
+        "sequence_parallel_size": cfg.training.sequence_parallel_size,
         "max_memory": request.max_memory,
         "largest_fitting_length": max((e["length"] for e in entries if e["status"] == FITS), default=None),
         "suggestions": advice,

@@ -19,9 +19,11 @@ from __future__ import annotations
 import dataclasses
 import gc
 import hashlib
+import importlib.util
 import json
+import os
 import traceback
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +36,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 import longalign.patch
 from longalign.artifacts import REPORT_NAME, load_stage, read_report
-from longalign.batching import packs_fingerprint
+from longalign.batching import EXACT_WEIGHTINGS, packs_fingerprint
 from longalign.config import RESERVED_TRAINING_ARGS, Config, ConfigError
 from longalign.packing import write_packs
 from longalign.preflight import (
@@ -69,6 +71,15 @@ def load_tokenizer(cfg: Config):
     return AutoTokenizer.from_pretrained(name, trust_remote_code=cfg.model.trust_remote_code)
 
 
+def model_config(cfg: Config):
+    """The model's transformers config: built from ``init_from_config``, or read from the checkpoint."""
+    mc = cfg.model
+    if mc.init_from_config is not None:
+        settings = dict(mc.init_from_config)
+        return AutoConfig.for_model(settings.pop("model_type"), **settings)
+    return AutoConfig.from_pretrained(mc.model_name_or_path, trust_remote_code=mc.trust_remote_code)
+
+
 def model_dtype(cfg: Config) -> torch.dtype:
     """The dtype the model is loaded in: ``model.torch_dtype``, where ``auto`` is the checkpoint's own.
 
@@ -80,8 +91,7 @@ def model_dtype(cfg: Config) -> torch.dtype:
         return getattr(torch, mc.torch_dtype)
     if mc.init_from_config is not None:
         return torch.float32
-    config = AutoConfig.from_pretrained(mc.model_name_or_path, trust_remote_code=mc.trust_remote_code)
-    dtype = getattr(config, "dtype", None)
+    dtype = getattr(model_config(cfg), "dtype", None)
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype or torch.float32
 
 
@@ -90,14 +100,59 @@ def load_model(cfg: Config) -> torch.nn.Module:
     mc = cfg.model
     dtype = model_dtype(cfg)
     if mc.init_from_config is not None:
-        settings = dict(mc.init_from_config)
-        config = AutoConfig.for_model(settings.pop("model_type"), **settings)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(model_config(cfg), dtype=dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(
             mc.model_name_or_path, dtype=dtype, trust_remote_code=mc.trust_remote_code
         )
-    return longalign.patch.apply(model, backend=mc.attn_backend)
+    return longalign.patch.apply(
+        model, backend=mc.attn_backend, sequence_parallel_size=cfg.training.sequence_parallel_size
+    )
+
+
+def check_sequence_parallel(
+    cfg: Config, world_size: int, *, parallelism: Any = None, environ: Mapping[str, str] = os.environ
+) -> None:
+    """Refuse a ``training.sequence_parallel_size`` this run cannot use, in one line naming every reason.
+
+    Checked before any work, from the run file, the launch and the model's config: the world size splits
+    into groups of N ranks, the model's heads split over N ranks (``longalign.patch.
+    sequence_parallel_problems``), nothing else splits the model or the sequence (accelerate's
+    ``parallelism``, from ``TrainingArguments.parallelism_config`` or the launcher's
+    ``PARALLELISM_CONFIG_*`` variables: tensor, context or its own sequence parallelism), and DeepSpeed
+    is installed.
+    """
+    size = cfg.training.sequence_parallel_size
+    if size == 1:
+        return
+    found = []
+    if world_size % size:
+        found.append(
+            f"the world size {world_size} is not a multiple of it (each pack is split over {size} consecutive ranks)"
+        )
+    config = model_config(cfg)
+    found += [
+        f"{config.model_type} model: {problem}"
+        for problem in longalign.patch.sequence_parallel_problems(config, size)
+    ]
+    for axis in ("tp", "cp", "sp"):
+        other = getattr(parallelism, f"{axis}_size", None) or int(
+            environ.get(f"PARALLELISM_CONFIG_{axis.upper()}_SIZE", "1")
+        )
+        if other > 1:
+            found.append(
+                f"accelerate's parallelism config sets {axis}_size = {other}, which would split the model or the "
+                "sequence a second time; leave accelerate's tensor, context and sequence parallelism off"
+            )
+    if cfg.loss.weighting not in EXACT_WEIGHTINGS:
+        found.append(
+            f"loss.weighting = {cfg.loss.weighting!r} is a reference counted per pack and micro-batch, which a "
+            "split pack cannot reproduce; use sequence_level or token_level"
+        )
+    if importlib.util.find_spec("deepspeed") is None:
+        found.append("it runs on DeepSpeed, which is not installed: pip install 'longalign[sp]'")
+    if found:
+        raise ConfigError(f"training.sequence_parallel_size = {size} cannot run: {'; '.join(found)}")
 
 
 def resolve_packs(which: str, cfg: Config, args: TrainingArguments, tokenizer=None):
@@ -253,6 +308,12 @@ def run_record(cfg: Config, args: TrainingArguments, packs) -> dict[str, Any]:
             "training.gradient_accumulation_steps": args.gradient_accumulation_steps,
             "training.seed": args.seed,
             "world size": args.world_size,
+            # Recorded only when on, so that checkpoints from before the setting existed still resume.
+            **(
+                {"training.sequence_parallel_size": cfg.training.sequence_parallel_size}
+                if cfg.training.sequence_parallel_size > 1
+                else {}
+            ),
         },
         "kept": {
             f"training.{name}": getattr(args, name)
@@ -264,6 +325,7 @@ def run_record(cfg: Config, args: TrainingArguments, packs) -> dict[str, Any]:
 def build_trainer(cfg: Config) -> LongAlignTrainer:
     """Everything a run sets up before ``train()``: arguments, tokenizer, model, packs, trainer."""
     args = training_arguments(cfg)
+    check_sequence_parallel(cfg, args.world_size, parallelism=args.parallelism_config)
     tokenizer = load_tokenizer(cfg)
     transformers.set_seed(args.seed)
     model = load_model(cfg)
@@ -285,6 +347,7 @@ def build_trainer(cfg: Config) -> LongAlignTrainer:
         ignore_index=cfg.loss.ignore_index,
         pack_seed=cfg.packing.seed,
         pad_packs_to=cfg.data.max_seq_len if cfg.packing.pad_to_max else None,
+        sequence_parallel_size=cfg.training.sequence_parallel_size,
         run_record=json.loads(json.dumps(run_record(cfg, args, train_packs), default=str)),
     )
 
@@ -366,10 +429,11 @@ def compare_records(checkpoint: Path, now: dict[str, Any], ignore_changes: bool)
                 f"(no {CHECKPOINT_RECORD}); set training.resume_ignore_changes=true to resume from it anyway"
             ) from None
         return [f"{checkpoint} has no {CHECKPOINT_RECORD}; resuming without checking the run's settings"]
+    keys = list(dict.fromkeys([*now["decides"], *saved["decides"]]))  # a setting either side lacks differs
     changed = [
-        f"{key} {saved['decides'].get(key)!r} -> {value!r}"
-        for key, value in now["decides"].items()
-        if saved["decides"].get(key) != value
+        f"{key} {saved['decides'].get(key)!r} -> {now['decides'].get(key)!r}"
+        for key in keys
+        if saved["decides"].get(key) != now["decides"].get(key)
     ]
     notes = []
     if changed and not ignore_changes:
@@ -407,7 +471,7 @@ def dry_run(cfg: Config) -> dict[str, Any]:
         for which in ("train", "eval") if cfg.data.eval_file else ("train",):
             path = prepare(which, cfg, args, tokenizer)
             packs = check_packs(load_stage(path), str(path), cfg)
-            check_vocabulary(model_vocab_size(cfg), packs, f"the {which} data")
+            check_vocabulary(model_config(cfg).get_text_config().vocab_size, packs, f"the {which} data")
             reports = {"pack": read_report(path) if (path / REPORT_NAME).exists() else None}
             tokenized = Path(reports["pack"]["input"]) if reports["pack"] else None
             reports["pre_tokenize"] = (
@@ -431,20 +495,10 @@ def resolved_settings(cfg: Config) -> list[tuple[str, Any, str]]:
     return rows
 
 
-def model_vocab_size(cfg: Config) -> int:
-    """The vocabulary size of ``[model]``, read from its config without loading weights."""
-    mc = cfg.model
-    if mc.init_from_config is not None:
-        settings = dict(mc.init_from_config)
-        config = AutoConfig.for_model(settings.pop("model_type"), **settings)
-    else:
-        config = AutoConfig.from_pretrained(mc.model_name_or_path, trust_remote_code=mc.trust_remote_code)
-    return config.get_text_config().vocab_size
-
-
 def preflight(cfg: Config, env_names: Sequence[str] = DEFAULT_ENV) -> PreflightReport:
     """The preflight without a model: every rank checks what it would train with; ranks must agree."""
     args = training_arguments(cfg)
+    check_sequence_parallel(cfg, args.world_size, parallelism=args.parallelism_config)
     try:
         return run_preflight(
             cfg,
@@ -453,6 +507,7 @@ def preflight(cfg: Config, env_names: Sequence[str] = DEFAULT_ENV) -> PreflightR
             load_eval_packs=(lambda: resolve_packs("eval", cfg, args)) if cfg.data.eval_file else None,
             device=args.device,
             dtype=compute_dtype(model_dtype(cfg), bf16=args.bf16, fp16=args.fp16),
+            batch_size=args.per_device_train_batch_size,
             env_names=env_names,
         )
     finally:

@@ -12,6 +12,12 @@ gradient of ``sum(S) / D`` however the samples were split into packs, micro-batc
       micro-batch 2                        S=2.0 (w 1)       S=0.5 (w 1)
       D = 2 + 1 + 1 + 1 = 5;  loss = (3 + 2 + 1 + 0.5) / 5, exactly, whatever the split
 
+Under sequence parallelism (``sequence_parallel_size`` N > 1) every rank of a group of N holds a slice of
+the same pack, and its ``S_local`` covers the targets its slice predicts. The slices' weights sum to the
+pack's weight, so D, summed over all ranks, still counts every sample once, and the backward of
+``S_local / D * W`` is unchanged: the all-reduce over all W ranks adds the slices' gradients up. Logged
+samples, packs and tokens count each pack once (the sums over ranks divided by N).
+
 Batches come from ``longalign.batching``; the loss from ``longalign.loss``. ``longalign.run`` builds the
 trainer from a run file.
 
@@ -51,8 +57,10 @@ class LongAlignTrainer(Trainer):
 
     ``train_dataset`` / ``eval_dataset`` are pack datasets (columns ``input_ids``, ``labels``,
     ``cu_seqlens``, ``seq_lens``). ``per_device_train_batch_size`` packs are concatenated into one varlen
-    row. Logs per optimizer step: loss, learning rate, tokens/s, samples and packs per step, and the
-    packing efficiency of the step (tokens / (packs x max_seq_len)).
+    row; with ``sequence_parallel_size`` N > 1 a group of N consecutive ranks shares that row, each rank
+    holding one slice (the model must be patched for it: ``longalign.patch.apply``). Logs per optimizer
+    step: loss, learning rate, tokens/s, samples and packs per step, and the packing efficiency of the
+    step (tokens / (packs x max_seq_len)).
     """
 
     # compute_loss returns S / D * W with D over the whole step: Trainer must not divide by G again.
@@ -68,16 +76,22 @@ class LongAlignTrainer(Trainer):
         ignore_index: int = -100,
         pack_seed: int = 0,
         pad_packs_to: int | None = None,
+        sequence_parallel_size: int = 1,
         run_record: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        kwargs.setdefault(
-            "data_collator",
-            PackCollator(
-                weighting=weighting, ignore_index=ignore_index, longwriter_divisor=longwriter_divisor
-            ),
-        )
+        data_collator = kwargs.pop("data_collator", None)
         super().__init__(*args, **kwargs)
+        # Built here, once the rank is known: it decides which slice of a shared pack this rank keeps.
+        self.data_collator = data_collator or PackCollator(
+            weighting=weighting,
+            ignore_index=ignore_index,
+            longwriter_divisor=longwriter_divisor,
+            pad_packs_to=pad_packs_to,
+            sequence_parallel_size=sequence_parallel_size,
+            sequence_parallel_rank=self.args.process_index % sequence_parallel_size,
+        )
+        self.sequence_parallel_size = sequence_parallel_size
         self.max_seq_len = max_seq_len
         self.loss_chunk_size = loss_chunk_size
         self.ignore_index = ignore_index
@@ -96,6 +110,7 @@ class LongAlignTrainer(Trainer):
             batch_size=batch_size,
             num_replicas=self.accelerator.num_processes,
             rank=self.accelerator.process_index,
+            sequence_parallel_size=self.sequence_parallel_size,
             seed=self.pack_seed,
             shuffle=shuffle,
             num_workers=self.args.dataloader_num_workers,
@@ -163,6 +178,8 @@ class LongAlignTrainer(Trainer):
         totals = (
             self.accelerator.reduce(local, reduction="sum") if self.accelerator.num_processes > 1 else local
         )
+        # Every rank of a group counts its pack's tokens, samples and packs: count each group once.
+        totals[1:] /= self.sequence_parallel_size
         denominator, tokens, samples, packs = totals.tolist()
         self._window["tokens"] += tokens
         self._window["samples"] += samples
@@ -210,7 +227,7 @@ class LongAlignTrainer(Trainer):
         loss_sum, weight_sum, samples = sums.tolist()
         metrics = {
             f"{metric_key_prefix}_loss": loss_sum / weight_sum if weight_sum else float("nan"),
-            f"{metric_key_prefix}_samples": samples,
+            f"{metric_key_prefix}_samples": samples / self.sequence_parallel_size,  # each group's once
             f"{metric_key_prefix}_runtime": time.perf_counter() - start,
         }
         self.log(metrics)

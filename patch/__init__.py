@@ -11,6 +11,10 @@ varlen attention with transformers under a ``longalign_varlen*`` name, selects i
 off: with a cache, transformers' own attention lets packed samples see each other. Call it before wrapping
 the model (PEFT, FSDP); gradient checkpointing may be enabled before or after.
 
+``apply(model, sequence_parallel_size=N)`` with N > 1 splits every pack over groups of N ranks: the
+varlen attention runs inside DeepSpeed's Ulysses layer (``sequence_parallel``), and each rank's batches
+must be its slices of the pack (``longalign.batching.PackCollator``).
+
 Families with a module of their own: ``llama`` (Llama 3), ``glm`` (GLM, GLM-4). Other decoders with rotary
 positions and attention through transformers' ``AttentionInterface`` take the ``generic`` path.
 """
@@ -28,6 +32,7 @@ from . import generic
 from .glm import GLM, GLM4, REMOTE_CODE_HINTS
 from .interface import ATTENTION_NAMES, register, varlen_attention_forward
 from .llama import LLAMA
+from .sequence_parallel import sequence_parallel_problems, wrap
 
 __all__ = [
     "ATTENTION_NAMES",
@@ -35,6 +40,7 @@ __all__ = [
     "UnsupportedModelError",
     "apply",
     "check_model",
+    "sequence_parallel_problems",
     "supported",
     "varlen_attention_forward",
 ]
@@ -46,10 +52,25 @@ class UnsupportedModelError(ValueError):
     """The model cannot train on packed samples; the message says why and what is supported."""
 
 
-def apply(model: torch.nn.Module, *, backend: str = "auto") -> torch.nn.Module:
-    """Make ``model`` attend within packed samples: check it, select varlen attention, disable the cache."""
+def apply(
+    model: torch.nn.Module, *, backend: str = "auto", sequence_parallel_size: int = 1
+) -> torch.nn.Module:
+    """Make ``model`` attend within packed samples: check it, select varlen attention, disable the cache.
+
+    With ``sequence_parallel_size`` N > 1 the varlen attention is wrapped in DeepSpeed's Ulysses layer
+    over groups of N consecutive ranks (needs DeepSpeed and a process group).
+    """
     check_model(model)
-    name = register(backend)
+    if sequence_parallel_size > 1:
+        found = sequence_parallel_problems(model.config, sequence_parallel_size)
+        if found:
+            raise UnsupportedModelError(
+                f"{type(model).__name__} cannot split its attention over {sequence_parallel_size} ranks: "
+                + "; ".join(found)
+            )
+        name = wrap(model, sequence_parallel_size, backend)
+    else:
+        name = register(backend)
     model.set_attn_implementation(name)
     if model.config._attn_implementation != name:  # transformers only warns when it cannot switch
         raise UnsupportedModelError(

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from longalign.attention import cu_seqlens_from_position_ids, varlen_attention
 
@@ -35,16 +36,32 @@ ATTENTION_NAMES = {
 }
 
 
-def register(backend: str = "auto") -> str:
-    """Register the varlen attention (and its mask hook) for ``backend``; return the name to select it by."""
+def register(backend: str = "auto", *, name: str | None = None) -> str:
+    """Register the varlen attention (and its mask hook) for ``backend``; return the name to select it by.
+
+    ``name`` defaults to the backend's entry of ``ATTENTION_NAMES``. A name that DeepSpeed's Ulysses layer
+    has wrapped for sequence parallelism is refused: registering it again silently either drops the
+    wrapper (sequence parallelism off) or is shadowed by it (the new function never runs), depending on
+    which of the registry's mappings each entry sits in (the wrapper's, in transformers 5.2x, shadows).
+    """
     if backend not in ATTENTION_NAMES:
         raise ValueError(
             f"unknown attention backend {backend!r}; expected one of {', '.join(ATTENTION_NAMES)}"
         )
-    name = ATTENTION_NAMES[backend]
+    name = name or ATTENTION_NAMES[backend]
+    if is_ulysses(ALL_ATTENTION_FUNCTIONS.get(name)):
+        raise ValueError(
+            f"attention {name!r} is wrapped by DeepSpeed's Ulysses layer for sequence parallelism; registering "
+            "it again would silently turn sequence parallelism off or never take effect"
+        )
     AttentionInterface.register(name, functools.partial(varlen_attention_forward, backend=backend))
     AttentionMaskInterface.register(name, padding_free_mask)
     return name
+
+
+def is_ulysses(function: Any) -> bool:
+    """Whether an attention registry entry is DeepSpeed's Ulysses wrapper (``UlyssesSPAttentionHF``)."""
+    return "UlyssesSPAttentionHF" in getattr(function, "__qualname__", "")
 
 
 def varlen_attention_forward(

@@ -6,6 +6,7 @@ Tests that start processes (scripts, ``accelerate launch``, end-to-end runs) are
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -34,6 +35,9 @@ DEMO = ROOT / "configs" / "demo.toml"
 LAUNCHER = Path(sys.executable).parent / "accelerate"
 
 needs_launcher = pytest.mark.skipif(not LAUNCHER.exists(), reason="accelerate launcher not installed")
+needs_deepspeed = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed not installed (the sp extra)"
+)
 
 # A 2-layer decoder with grouped-query attention; every family below takes these fields.
 TINY = dict(
@@ -59,7 +63,12 @@ FAMILIES = {
 
 
 def tiny_model(
-    kind: str = "llama", *, seed: int = 0, backend: str | None = None, **overrides
+    kind: str = "llama",
+    *,
+    seed: int = 0,
+    backend: str | None = None,
+    sequence_parallel_size: int = 1,
+    **overrides,
 ) -> torch.nn.Module:
     """A random tiny model of ``kind`` (``TINY`` with ``overrides``), patched for ``backend`` if given."""
     import longalign.patch
@@ -67,7 +76,9 @@ def tiny_model(
     cls, config_cls = FAMILIES[kind]
     torch.manual_seed(seed)
     model = cls(config_cls(**{**TINY, **overrides}))
-    return model if backend is None else longalign.patch.apply(model, backend=backend)
+    if backend is None:
+        return model
+    return longalign.patch.apply(model, backend=backend, sequence_parallel_size=sequence_parallel_size)
 
 
 def pack_row(samples: list[tuple[list[int], list[int]]]) -> dict[str, list[int]]:

@@ -16,6 +16,7 @@ from longalign.batching import (
     pack_costs,
     pack_loader,
 )
+from longalign.loss import weighted_token_loss
 
 X = -100
 
@@ -257,3 +258,157 @@ def test_loader_gives_each_rank_its_packs_and_a_filler_where_short():
     assert sorted(counted) == [(0, 0), (1, 1), (1, 1), (1, 2)]  # 3 packs, 4 samples, one filler
     filler = next(b for batches in per_rank for b in batches if b["num_packs"] == 0)
     assert filler["loss_weights"].sum() == 0
+
+
+# --- filler padding and sequence-parallel slices ---------------------------------------------------------
+
+
+def test_filler_segment_pads_the_row_to_a_multiple():
+    batch = PackCollator(weighting="token_level", pad_to_multiple_of=5, pad_token_id=9)(PACKS)
+    assert batch["input_ids"].tolist() == [[11, 12, 13, 21, 22, 31, 32, 33, 9, 9]]
+    assert batch["labels"].tolist() == [[X, 12, 13, X, 22, X, 32, 33, X, X]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 0, 1]]  # the filler restarts too
+    assert batch["cu_seq_lens_q"].tolist() == [0, 3, 5, 8, 10]  # its own segment: it attends to itself
+    assert batch["loss_weights"].tolist() == [[0, 1, 1, 0, 1, 0, 1, 1, 0, 0]]
+    assert (batch["num_packs"], batch["num_samples"], batch["num_tokens"]) == (2, 3, 8)
+    unpadded = PackCollator(weighting="token_level", pad_to_multiple_of=4)(PACKS)  # 8 tokens already
+    assert unpadded["cu_seq_lens_q"].tolist() == [0, 3, 5, 8]
+
+
+# Samples A = [11 12 13] and B = [21 22 23 24], split over 2 ranks: padded to 8 with a 1-token filler.
+SPLIT_PACK = {
+    "input_ids": [11, 12, 13, 21, 22, 23, 24],
+    "labels": [X, 12, 13, 21, 22, 23, 24],
+    "cu_seqlens": [0, 3, 7],
+}
+
+
+def test_sequence_parallel_slices_hand_drawn_pack():
+    rank0, rank1 = (
+        PackCollator(weighting="token_level", sequence_parallel_size=2, sequence_parallel_rank=rank)(
+            [SPLIT_PACK]
+        )
+        for rank in (0, 1)
+    )
+    assert rank0["input_ids"].tolist() == [[11, 12, 13, 21]] and rank1["input_ids"].tolist() == [
+        [22, 23, 24, 0]
+    ]
+    assert rank0["position_ids"].tolist() == [[0, 1, 2, 0]] and rank1["position_ids"].tolist() == [
+        [1, 2, 3, 0]
+    ]
+    # Shifted over the whole pack, then sliced: b0 on rank 0 predicts b1 on rank 1.
+    assert rank0["shift_labels"].tolist() == [[12, 13, X, 22]]
+    assert rank1["shift_labels"].tolist() == [[23, 24, X, X]]
+    assert rank0["shift_loss_weights"].tolist() == [[1, 1, 0, 1]]
+    assert rank1["shift_loss_weights"].tolist() == [[1, 1, 0, 0]]
+    assert rank0["labels"].tolist() == [[X, 12, 13, X]] and rank1["loss_weights"].tolist() == [[1, 1, 1, 0]]
+    for batch in (rank0, rank1):  # attention sees the whole pack on every rank
+        assert batch["cu_seq_lens_q"].tolist() == batch["cu_seq_lens_k"].tolist() == [0, 3, 7, 8]
+        assert batch["max_length_q"] == 4
+        assert (batch["num_packs"], batch["num_samples"], batch["num_tokens"]) == (1, 2, 7)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(samples, min_size=1, max_size=8),
+    st.sampled_from(["sequence_level", "token_level"]),
+    st.integers(2, 4),
+)
+def test_slices_hold_every_target_of_the_whole_pack_once(sample_list, weighting, size):
+    rows, token = [], 0
+    for length, is_target in sample_list:
+        ids = list(range(token, token + length))
+        rows.append((ids, [i if target else X for i, target in zip(ids, is_target, strict=True)]))
+        token += length
+    pack = pack_row(rows)
+    whole = PackCollator(weighting=weighting, pad_to_multiple_of=size)([pack])
+    slices = [
+        PackCollator(weighting=weighting, sequence_parallel_size=size, sequence_parallel_rank=rank)([pack])
+        for rank in range(size)
+    ]
+
+    def joined(key):
+        return torch.cat([batch[key][0] for batch in slices])
+
+    assert len(joined("input_ids")) % size == 0 and torch.equal(joined("input_ids"), whole["input_ids"][0])
+    assert torch.equal(joined("position_ids"), whole["position_ids"][0])
+    # Position t predicts the whole pack's label t + 1, with its weight; the last position predicts nothing.
+    assert torch.equal(joined("shift_labels")[:-1], whole["labels"][0, 1:])
+    assert torch.equal(joined("shift_loss_weights")[:-1], whole["loss_weights"][0, 1:])
+    unsplit = PackCollator(weighting=weighting)([pack])["loss_weights"].sum()
+    for key in ("loss_weights", "shift_loss_weights"):  # the same weights, summed in another order
+        assert joined(key).sum().item() == pytest.approx(unsplit.item(), rel=1e-6)
+
+
+def test_slices_give_the_loss_of_the_whole_pack():
+    """The loss contract on slices: shifted targets make the sum of the slices' S the whole pack's S."""
+    torch.manual_seed(0)
+    whole = PackCollator(pad_to_multiple_of=2)([SPLIT_PACK])
+    hidden, head = torch.randn(8, 16), torch.randn(40, 16)
+    expected = weighted_token_loss(hidden[None], head, whole["labels"], whole["loss_weights"])
+    slices = [
+        PackCollator(sequence_parallel_size=2, sequence_parallel_rank=rank)([SPLIT_PACK]) for rank in (0, 1)
+    ]
+    parts = [
+        weighted_token_loss(
+            hidden[None, 4 * r : 4 * r + 4],
+            head,
+            batch["shift_labels"],
+            batch["shift_loss_weights"],
+            shifted=True,
+        )
+        for r, batch in enumerate(slices)
+    ]
+    torch.testing.assert_close(parts[0] + parts[1], expected)
+    in_slice = [
+        weighted_token_loss(hidden[None, 4 * r : 4 * r + 4], head, batch["labels"], batch["loss_weights"])
+        for r, batch in enumerate(slices)
+    ]
+    assert not torch.allclose(in_slice[0] + in_slice[1], expected)  # b0 -> b1 lost at the slice boundary
+
+
+def test_bad_collator_settings():
+    with pytest.raises(ValueError, match="pad_to_multiple_of: must be >= 1"):
+        PackCollator(pad_to_multiple_of=0)
+    with pytest.raises(ValueError, match="sequence_parallel_rank 2 outside 0..1"):
+        PackCollator(sequence_parallel_size=2, sequence_parallel_rank=2)
+
+
+def test_sampler_deals_each_pack_to_one_group_of_ranks():
+    costs = [9, 1, 4, 4, 7, 2, 5]
+    per_rank = [
+        list(PackBatchSampler(costs, num_replicas=4, rank=rank, sequence_parallel_size=2, seed=1))
+        for rank in range(4)
+    ]
+    assert per_rank[0] == per_rank[1] and per_rank[2] == per_rank[3]  # a group shares every pack
+    assert per_rank == [
+        list(PackBatchSampler(costs, num_replicas=2, rank=rank // 2, seed=1)) for rank in range(4)
+    ]
+    active = sorted(i for rank in (0, 2) for batch in per_rank[rank] for i, on in batch if on)
+    assert active == list(range(len(costs)))  # the groups together see every pack once
+    with pytest.raises(ValueError, match="4 ranks do not split into groups of 3"):
+        PackBatchSampler(costs, num_replicas=4, rank=0, sequence_parallel_size=3)
+
+
+def test_loader_gives_a_group_one_pack_in_slices():
+    packs = datasets.Dataset.from_list(count_packs([[3, 4], [5], [2, 2, 2]]))
+    batches = [
+        list(
+            pack_loader(
+                packs,
+                PackCollator(sequence_parallel_size=2, sequence_parallel_rank=rank % 2),
+                batch_size=1,
+                num_replicas=4,
+                rank=rank,
+                sequence_parallel_size=2,
+                shuffle=False,
+            )
+        )
+        for rank in range(4)
+    ]
+    assert [len(b) for b in batches] == [2, 2, 2, 2]
+    for group in (0, 2):
+        for first, second in zip(batches[group], batches[group + 1], strict=True):
+            assert torch.equal(first["cu_seq_lens_q"], second["cu_seq_lens_q"])
+            whole = torch.cat([first["input_ids"], second["input_ids"]], dim=1)
+            assert whole.shape[1] == int(first["cu_seq_lens_q"][-1])

@@ -56,6 +56,10 @@ def test_pack_writes_plot_and_prints_summary(tmp_path, capsys):
             "training.remove_unused_columns: longalign sets it to false",
         ),
         (["preflight", "--config", str(DEMO), "packing.strategy=tight"], "packing.strategy: 'tight'"),
+        (
+            ["train", "--config", str(DEMO), "training.sequence_parallel_size=3", "training.max_steps=1"],
+            "training.sequence_parallel_size = 3 cannot run: the world size 1 is not a multiple of it",
+        ),
         (["probe", "--config", str(DEMO), "--lengths", "4x"], "length '4x'"),
         (
             [

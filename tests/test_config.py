@@ -162,6 +162,8 @@ def test_training_keys_the_run_sets_itself():
         ),
         ("training.num_train_epochs='two'", "training.num_train_epochs: expected float, got str"),
         ("training.bf16=2", "training.bf16: expected bool, got int"),
+        ("training.sequence_parallel_size=0", "training.sequence_parallel_size: must be >= 1, got 0"),
+        ("training.sequence_parallel_size='2'", "training.sequence_parallel_size: expected int, got str"),
         ("model.torch_dtype=int8", "model.torch_dtype"),
         ("novalue", "expected section.key=value"),
     ],
@@ -195,22 +197,33 @@ def test_to_dict_is_flat_tables(tmp_path):
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
-@pytest.mark.parametrize(
-    "name", ["demo.toml", "llama3_8b_64k.toml", "glm4_9b_64k.toml", "longalign_recipe.toml"]
-)
+# run file: (tokens per pack, ranks each pack is split over)
+SHIPPED = {
+    "demo.toml": (4096, 1),
+    "llama3_8b_64k.toml": (65536, 1),
+    "glm4_9b_64k.toml": (65536, 1),
+    "llama3_8b_256k_sp8.toml": (262144, 8),
+    "glm4_9b_128k_sp4.toml": (131072, 4),
+    "longalign_recipe.toml": (65536, 1),
+}
+
+
+@pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_run_configs_load(name):
     cfg = load_config(CONFIGS / name)
-    assert cfg.data.train_file and cfg.data.max_seq_len >= 4096
+    assert cfg.data.train_file
+    assert (cfg.data.max_seq_len, cfg.training.sequence_parallel_size) == SHIPPED[name]
     if name != "demo.toml":  # the GPU configs train in bf16 with activation checkpointing
         assert cfg.training.args["bf16"] and cfg.training.args["activation_checkpointing"]
-        assert cfg.data.max_seq_len == 65536 and cfg.model.torch_dtype == "bfloat16"
+        assert cfg.model.torch_dtype == "bfloat16"
 
 
-def test_deepspeed_sizes_are_integers():
+@pytest.mark.parametrize("name", ["zero3.json", "zero3_offload.json"])
+def test_deepspeed_sizes_are_integers(name):
     """DeepSpeed >= 0.15 rejects float bucket sizes and thresholds (e.g. 5e7 written as a float)."""
     import json
 
-    zero = json.loads((CONFIGS / "deepspeed" / "zero3.json").read_text())["zero_optimization"]
+    zero = json.loads((CONFIGS / "deepspeed" / name).read_text())["zero_optimization"]
     sizes = {k: v for k, v in zero.items() if k.endswith(("_size", "_threshold", "_parameters", "_distance"))}
     assert sizes and all(type(v) is int for v in sizes.values()), sizes
 

@@ -20,6 +20,7 @@ from longalign.preflight import (
     env_checks,
     packs_check,
     preflight_enabled,
+    sequence_parallel_checks,
 )
 
 # Runs a script as one rank of a launch with that rank's own working directory and environment variables,
@@ -125,6 +126,42 @@ def test_dataset_fingerprint_follows_cu_seqlens_not_storage(tmp_path):
     assert packs_check("dataset", a, "train_file").value == packs_check("dataset", b, "train_file").value
     assert packs_check("dataset", a, "train_file").value != packs_check("dataset", c, "train_file").value
     assert packs_check("dataset", a, "train_file").value.startswith("3 packs, cu_seqlens ")
+
+
+def test_group_checks_are_compared_within_each_group():
+    def first(rank: int, value: str) -> list[Check]:
+        return [Check("first packs", value, fix="same packs", group=rank // 2)]
+
+    agree = compare(
+        [first(0, "group 0: a"), first(1, "group 0: a"), first(2, "group 1: b"), first(3, "group 1: b")]
+    )
+    assert agree.ok  # groups differ from each other, as they should
+    lines = table_rows(agree)["first packs"]
+    assert lines[0].split()[2:] == ["ok", "0-1", "group", "0:", "a"] and lines[1].split() == [
+        "2-3",
+        "group",
+        "1:",
+        "b",
+    ]
+    split = compare(
+        [first(0, "group 0: a"), first(1, "group 0: a"), first(2, "group 1: b"), first(3, "group 1: c")]
+    )
+    assert split.problems == [
+        "first packs: rank 3 differs from rank 2 (group 1: c vs group 1: b). Fix: same packs"
+    ]
+
+
+def test_sequence_parallel_rows_deal_packs_as_the_trainer_does(tmp_path):
+    cfg = load_config(DEMO, ["training.sequence_parallel_size=2"])
+    packs = datasets.Dataset.from_list(count_packs([[5, 7], [12], [3, 4, 5], [9]]))
+    per_rank = [
+        sequence_parallel_checks(cfg, packs, rank=rank, world_size=4, batch_size=1) for rank in range(4)
+    ]
+    assert {checks[0].value for checks in per_rank} == {"2 ranks per pack, 2 groups"}
+    first = [checks[1] for checks in per_rank]
+    assert first[0].value == first[1].value != first[2].value == first[3].value
+    assert first[0].value.startswith("group 0: packs [") and first[2].group == 1
+    assert compare([checks for checks in per_rank]).ok
 
 
 def test_preflight_setting():

@@ -132,7 +132,15 @@ def test_suggestions_follow_the_config(tmp_path):
         ],
     )
     advice = suggestions(tuned, device_type="cuda", vocab_size=4096, environ={})
-    assert advice == ["DeepSpeed ZeRO stage 3 (now 2) also shards the parameters"]
+    assert advice[1:] == ["DeepSpeed ZeRO stage 3 (now 2) also shards the parameters"]
+    assert advice[0].startswith("split each pack over more ranks (training.sequence_parallel_size=2, now 1")
+    split = suggestions(
+        load_config(DEMO, ["training.sequence_parallel_size=2"]),
+        device_type="cuda",
+        vocab_size=None,
+        environ={},
+    )
+    assert any("training.sequence_parallel_size=4, now 2" in line for line in split)
     fsdp_env = {"ACCELERATE_USE_FSDP": "true", "FSDP_OFFLOAD_PARAMS": "false"}
     advice = suggestions(
         load_config(DEMO, ["training.activation_checkpointing=true"]),

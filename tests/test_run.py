@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import types
 from pathlib import Path
 
@@ -23,7 +24,14 @@ from conftest import (
 
 from longalign.artifacts import load_stage, read_report
 from longalign.config import ConfigError, load_config
-from longalign.run import check_vocabulary, model_dtype, resolve_packs, resume_point, training_arguments
+from longalign.run import (
+    check_sequence_parallel,
+    check_vocabulary,
+    model_dtype,
+    resolve_packs,
+    resume_point,
+    training_arguments,
+)
 from longalign.trainer import CHECKPOINT_RECORD
 
 
@@ -61,6 +69,52 @@ def test_two_rank_runs_exit_every_time(tmp_path):
         )  # fmt: skip
         assert result.returncode == 0, result.stderr[-3000:]
         assert (tmp_path / f"run{run}" / "trainer_state.json").exists()
+
+
+# --- sequence parallelism: refused before any work ------------------------------------------------------
+
+
+def test_sequence_parallel_refusal_names_every_reason_in_one_line():
+    cfg = load_config(DEMO, ["training.sequence_parallel_size=3"])
+    with pytest.raises(ConfigError) as err:
+        check_sequence_parallel(cfg, 2)
+    assert str(err.value) == (
+        "training.sequence_parallel_size = 3 cannot run: the world size 2 is not a multiple of it (each pack is "
+        "split over 3 consecutive ranks); llama model: its 4 attention heads are not a multiple of 3; llama "
+        "model: its 2 key/value heads neither divide by 3 nor divide 3"
+    )
+
+
+def test_sequence_parallel_takes_only_the_exact_weightings():
+    cfg = load_config(DEMO, ["training.sequence_parallel_size=2", "loss.weighting='longwriter'"])
+    with pytest.raises(ConfigError, match="'longwriter' is a reference counted per pack and micro-batch"):
+        check_sequence_parallel(cfg, 2)
+
+
+def test_sequence_parallel_fits_the_demo_model_in_groups_of_two_and_four():
+    check_sequence_parallel(load_config(DEMO), 3)  # off: nothing to check
+    check_sequence_parallel(load_config(DEMO, ["training.sequence_parallel_size=2"]), 4)
+    check_sequence_parallel(
+        load_config(DEMO, ["training.sequence_parallel_size=4"]), 4
+    )  # 2 KV heads, each twice
+    with pytest.raises(ConfigError, match="its 4 attention heads are not a multiple of 8"):
+        check_sequence_parallel(load_config(DEMO, ["training.sequence_parallel_size=8"]), 8)
+
+
+def test_another_split_and_a_missing_deepspeed_are_refused(monkeypatch):
+    cfg = load_config(DEMO, ["training.sequence_parallel_size=2"])
+    with pytest.raises(
+        ConfigError, match="accelerate's parallelism config sets cp_size = 2, which would split"
+    ):
+        check_sequence_parallel(cfg, 4, environ={"PARALLELISM_CONFIG_CP_SIZE": "2"})
+    tensor_parallel = types.SimpleNamespace(tp_size=2, cp_size=1, sp_size=1)
+    with pytest.raises(ConfigError, match="sets tp_size = 2"):
+        check_sequence_parallel(cfg, 4, parallelism=tensor_parallel)
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # as if not installed
+    with pytest.raises(
+        ConfigError, match=r"it runs on DeepSpeed, which is not installed: pip install 'longalign\[sp\]'"
+    ):
+        check_sequence_parallel(cfg, 2)
 
 
 # --- resuming --------------------------------------------------------------------------------------------
@@ -133,6 +187,14 @@ def test_a_resume_with_other_data_or_split_is_refused_naming_what_changed(tmp_pa
         "training.learning_rate is 0.001 in the run file, but the restored optimizer and scheduler keep"
         in out
     )
+
+
+def test_a_resume_that_turns_sequence_parallelism_off_is_refused(tmp_path):
+    checkpoint(
+        tmp_path, 4, {**RECORD, "decides": {**RECORD["decides"], "training.sequence_parallel_size": 2}}
+    )
+    with pytest.raises(ConfigError, match="training.sequence_parallel_size 2 -> None"):
+        resume_point(fake_trainer(tmp_path, "last"), load_config(DEMO))
 
 
 def test_a_checkpoint_without_a_record_needs_the_override(tmp_path):

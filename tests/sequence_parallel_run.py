@@ -1,0 +1,171 @@
+"""One optimizer step of LongAlignTrainer with each pack split over ranks; writes what the step did.
+
+Imported by tests/test_sequence_parallel.py for the one-process reference (sequence_parallel_size 1), and
+run under ``accelerate launch`` for the split runs, every variant in one launch:
+
+    accelerate launch --multi_gpu --num_processes 2 tests/sequence_parallel_run.py OUT.pt SIZE ZERO_STAGE VARIANT...
+
+``ZERO_STAGE`` is ``none`` (DDP) or a DeepSpeed ZeRO stage. A variant is ``WEIGHTING`` or
+``WEIGHTING:CONTROL`` with a control that breaks the split on purpose (``CONTROLS``). For each, rank 0
+writes the parameters after one plain SGD step (no clipping, no momentum, learning rate 1: the update is
+the gradient the engine applied), the step's loss, the eval loss and the step's logged counts; and, under
+``guard``, what registering the wrapped attention name again says.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+import datasets
+import torch
+from conftest import pack_row, tiny_model
+from invariance_run import samples
+from transformers import TrainingArguments
+
+import longalign.patch
+from longalign.batching import PackCollator
+from longalign.patch.sequence_parallel import SUFFIX
+from longalign.run import close, release
+from longalign.trainer import LongAlignTrainer
+
+SAMPLES_PER_PACK = 2  # 4 packs of 13 to 23 tokens, all odd: the collator pads every one
+
+
+class InShardShift(PackCollator):
+    """Control: each rank shifts labels inside its own slice, so predictions across slices are lost."""
+
+    def __call__(self, rows):
+        batch = super().__call__(rows)
+        del batch["shift_labels"], batch["shift_loss_weights"]
+        return batch
+
+
+class WholePackWeights(PackCollator):
+    """Control: every rank of a group counts the whole pack's weights in the step denominator."""
+
+    def __call__(self, rows):
+        batch = super().__call__(rows)
+        whole = PackCollator(weighting=self.weighting, pad_to_multiple_of=self.sequence_parallel_size)(rows)
+        batch["loss_denominator"] = whole["loss_denominator"]
+        return batch
+
+
+CONTROLS = {"in_shard_shift": InShardShift, "whole_pack_weights": WholePackWeights}
+
+
+def packs() -> datasets.Dataset:
+    items = samples()
+    return datasets.Dataset.from_list(
+        [pack_row(items[i : i + SAMPLES_PER_PACK]) for i in range(0, len(items), SAMPLES_PER_PACK)]
+    )
+
+
+def deepspeed_config(stage: int) -> dict:
+    return {
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,  # plain torch SGD, so the update is lr x the gradient
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto",
+        "gradient_clipping": "auto",
+    }
+
+
+def deepspeed_on_cpu() -> None:
+    """The process state for DeepSpeed on CPU ranks: accelerate builds it only for a GPU-like device.
+
+    With ``use_cpu`` (or the launcher's ``ACCELERATE_USE_CPU``) accelerate ignores DeepSpeed; without it,
+    it finds no device backend and runs one process. Named here, the gloo backend gives DeepSpeed (its CPU accelerator) all the ranks. Built
+    afresh for every trainer, as ``TrainingArguments`` does for DDP: an ``Accelerator`` takes its
+    DeepSpeed plugin only on a fresh state.
+    """
+    from accelerate.state import AcceleratorState, PartialState
+
+    os.environ.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_USE_CPU="false")
+    AcceleratorState._reset_state(reset_partial_state=True)
+    PartialState(cpu=False, backend="gloo")
+
+
+def one_step(variant: str, *, size: int = 1, zero_stage: int | None = None) -> dict:
+    """Parameters after one step over all packs, the step's loss and the eval loss, for one variant."""
+    weighting, _, control = variant.partition(":")
+    world_size, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    groups = world_size // size
+    if zero_stage is not None:
+        deepspeed_on_cpu()
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(
+            output_dir=out,
+            per_device_train_batch_size=1,
+            per_device_eval_batch_size=1,
+            gradient_accumulation_steps=len(packs()) // groups,  # every pack in the one step
+            max_steps=1,
+            optim="sgd",
+            learning_rate=1.0,
+            lr_scheduler_type="constant",
+            weight_decay=0.0,
+            max_grad_norm=0.0,
+            activation_checkpointing=True,
+            use_cpu=zero_stage is None,
+            # DeepSpeed: the process state set up by deepspeed_on_cpu(), which accelerate would not build.
+            accelerator_config={"use_configured_state": zero_stage is not None},
+            report_to="none",
+            save_strategy="no",
+            logging_steps=1,  # the logged loss is the mean over ranks; unlogged, only rank 0's part
+            remove_unused_columns=False,
+            disable_tqdm=True,
+            deepspeed=deepspeed_config(zero_stage) if zero_stage is not None else None,
+        )
+        assert args.world_size == world_size  # and the process group is up, as the model's patch needs
+        collator = None
+        if control:
+            collator = CONTROLS[control](
+                weighting=weighting, sequence_parallel_size=size, sequence_parallel_rank=rank % size
+            )
+        trainer = LongAlignTrainer(
+            model=tiny_model(backend="sdpa_segments", sequence_parallel_size=size),
+            args=args,
+            train_dataset=packs(),
+            eval_dataset=packs(),
+            weighting=weighting,
+            max_seq_len=32,
+            loss_chunk_size=7,
+            sequence_parallel_size=size,
+            data_collator=collator,
+        )
+        loss = trainer.train().training_loss
+        assert trainer.is_deepspeed_enabled == (zero_stage is not None), "the launch picked another engine"
+        eval_loss = trainer.evaluate()["eval_loss"]
+        step = next(entry for entry in trainer.state.log_history if "loss" in entry)
+        logged = {key: step[key] for key in ("samples_per_step", "packs_per_step", "packing_efficiency")}
+        params = parameters(trainer.model, zero_stage)
+        release(trainer)
+    return {"params": params, "loss": loss, "eval_loss": eval_loss, "logged": logged}
+
+
+def parameters(model: torch.nn.Module, zero_stage: int | None) -> dict[str, torch.Tensor]:
+    """Every parameter, whole: ZeRO-3 holds a shard of each on every rank, gathered here."""
+    if zero_stage != 3:
+        return {name: p.detach().clone() for name, p in model.named_parameters()}
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+if __name__ == "__main__":
+    path, size, stage, *variants = sys.argv[1:]
+    zero_stage = None if stage == "none" else int(stage)
+    results = {variant: one_step(variant, size=int(size), zero_stage=zero_stage) for variant in variants}
+    try:
+        longalign.patch.register(
+            "sdpa_segments", name=longalign.patch.ATTENTION_NAMES["sdpa_segments"] + SUFFIX
+        )
+        results["guard"] = "registered again"
+    except ValueError as err:
+        results["guard"] = str(err)
+    if torch.distributed.get_rank() == 0:
+        torch.save(results, path)
+    close()

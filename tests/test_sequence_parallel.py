@@ -1,0 +1,247 @@
+"""Sequence parallelism: a step with every pack split over ranks is the step of the unsplit packs, exactly.
+
+The fast tests cover what a model must have to split its attention, and the guard on the registry. The
+launched ones run the real trainer (DDP or DeepSpeed ZeRO-3, activation checkpointing on) with
+``sequence_parallel_size`` 2 over 2 ranks (one group) and 4 ranks (two groups), every variant of a launch
+in one process (``sequence_parallel_run.py``), and compare each with the same step on one process
+without splitting: the parameters after one plain SGD step (the update the engine applied, so a gradient
+scaled by the group size would show), the step's loss and the eval loss. Two controls break the split on
+purpose and must show a difference. Last, ``train.py`` and the memory probe as users launch them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import (
+    DEMO,
+    ROOT,
+    count_packs,
+    demo_overrides,
+    launch,
+    needs_deepspeed,
+    needs_launcher,
+    save_packs,
+    tiny_model,
+)
+from sequence_parallel_run import one_step
+from transformers import DeepseekV3Config, GlmConfig, LlamaConfig, Qwen3NextConfig
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+import longalign.patch
+from longalign.config import load_config
+from longalign.patch import ATTENTION_NAMES, UnsupportedModelError, sequence_parallel_problems
+from longalign.patch.sequence_parallel import SUFFIX
+
+HERE = Path(__file__).resolve().parent
+WEIGHTINGS = ("sequence_level", "token_level")
+
+# --- what a model needs ----------------------------------------------------------------------------------
+
+
+def test_heads_must_split_over_the_group():
+    config = LlamaConfig(num_attention_heads=32, num_key_value_heads=8)
+    assert sequence_parallel_problems(config, 8) == []
+    assert sequence_parallel_problems(config, 16) == []  # 16 / 8: each key/value head goes to 2 ranks
+    assert sequence_parallel_problems(config, 3) == [
+        "its 32 attention heads are not a multiple of 3",
+        "its 8 key/value heads neither divide by 3 nor divide 3",
+    ]
+    assert sequence_parallel_problems(
+        LlamaConfig(hidden_size=768, num_attention_heads=12, num_key_value_heads=6), 4
+    ) == ["its 6 key/value heads neither divide by 4 nor divide 4"]
+
+
+def test_attention_that_is_not_split_by_heads_is_refused():
+    latent = sequence_parallel_problems(DeepseekV3Config(num_attention_heads=8, num_key_value_heads=8), 2)
+    assert len(latent) == 1 and "multi-head latent attention" in latent[0]
+    hybrid = sequence_parallel_problems(Qwen3NextConfig(num_hidden_layers=4), 2)
+    assert hybrid == [
+        "it has linear_attention layers, which mix tokens outside attention and would see only one rank's "
+        "slice of the pack"
+    ]
+
+
+@pytest.mark.parametrize(
+    "run_file, config",
+    [
+        (
+            "llama3_8b_256k_sp8.toml",
+            LlamaConfig(num_attention_heads=32, num_key_value_heads=8),
+        ),  # Llama-3.1-8B
+        (
+            "glm4_9b_128k_sp4.toml",
+            GlmConfig(num_attention_heads=32, num_key_value_heads=2),
+        ),  # glm-4-9b-chat-hf
+    ],
+)
+def test_the_shipped_split_run_files_fit_their_models(run_file, config):
+    size = load_config(ROOT / "configs" / run_file).training.sequence_parallel_size
+    assert sequence_parallel_problems(config, size) == []
+
+
+def test_apply_refuses_a_model_that_cannot_split_before_touching_the_registry():
+    with pytest.raises(
+        UnsupportedModelError, match="cannot split its attention over 3 ranks: its 4 attention"
+    ):
+        tiny_model(backend="sdpa_segments", sequence_parallel_size=3)
+
+
+def test_a_name_wrapped_for_sequence_parallelism_is_not_registered_again(monkeypatch):
+    """Registering over DeepSpeed's wrapper would silently change what sequence-parallel models run."""
+
+    def wrapper(*args, **kwargs):
+        raise AssertionError("not called")
+
+    wrapper.__qualname__ = "UlyssesSPAttentionHF.register_with_transformers.<locals>.uattn_wrapper"
+    name = ATTENTION_NAMES["sdpa_segments"] + SUFFIX
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._local_mapping, name, wrapper)
+    with pytest.raises(ValueError, match="is wrapped by DeepSpeed's Ulysses layer"):
+        longalign.patch.register("sdpa_segments", name=name)
+    assert longalign.patch.register("sdpa_segments") == ATTENTION_NAMES["sdpa_segments"]  # others still can
+
+
+def test_splitting_needs_deepspeed_and_a_process_group(monkeypatch):
+    with pytest.raises(ValueError, match="needs a process group: start the run with accelerate launch"):
+        tiny_model(backend="sdpa_segments", sequence_parallel_size=2)
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # as if not installed
+    with pytest.raises(
+        ValueError, match=r"runs on DeepSpeed, which does not import .*pip install 'longalign\[sp\]'"
+    ):
+        tiny_model(backend="sdpa_segments", sequence_parallel_size=2)
+
+
+# --- through the real trainer, against one process -------------------------------------------------------
+
+# name: (ranks, ZeRO stage or "none" for DDP, variants computed in that one launch)
+LAUNCHES = {
+    "2 ranks, DDP": (
+        2,
+        "none",
+        [*WEIGHTINGS, "sequence_level:in_shard_shift", "token_level:whole_pack_weights"],
+    ),
+    "2 ranks, ZeRO-3": (2, "3", list(WEIGHTINGS)),
+    "4 ranks in 2 groups, DDP": (4, "none", list(WEIGHTINGS)),
+    "4 ranks in 2 groups, ZeRO-3": (4, "3", list(WEIGHTINGS)),
+}
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    """One process, packs not split: the step every launch must reproduce; and the starting parameters."""
+    start = {name: p.detach().clone() for name, p in tiny_model().named_parameters()}
+    return {"start": start, **{weighting: one_step(weighting) for weighting in WEIGHTINGS}}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """Run a launch of ``LAUNCHES`` once per module; its results by variant."""
+    done: dict[str, dict] = {}
+
+    def run(name: str) -> dict:
+        if name not in done:
+            ranks, stage, variants = LAUNCHES[name]
+            out = tmp_path_factory.mktemp("sp") / "results.pt"
+            result = launch(
+                HERE / "sequence_parallel_run.py", str(out), "2", stage, *variants,
+                num_processes=ranks, env={"PYTHONPATH": str(HERE)},
+            )  # fmt: skip
+            assert result.returncode == 0, result.stderr[-4000:]
+            done[name] = torch.load(out)
+        return done[name]
+
+    return run
+
+
+def update_difference(got: dict, want: dict, start: dict) -> float:
+    """Largest relative difference between the updates one step applied to any parameter."""
+    return max(
+        float(((start[k] - got["params"][k]) - (start[k] - want["params"][k])).norm())
+        / float((start[k] - want["params"][k]).norm())
+        for k in start
+    )
+
+
+def update_ratio(got: dict, want: dict, start: dict) -> float:
+    """Size of the whole update against the reference's: 1 when the engine applied the true gradient."""
+
+    def size(result: dict) -> float:
+        return sum(float((start[k] - result["params"][k]).square().sum()) for k in start) ** 0.5
+
+    return size(got) / size(want)
+
+
+@pytest.mark.integration
+@needs_launcher
+@needs_deepspeed
+@pytest.mark.parametrize("name", LAUNCHES)
+def test_split_packs_give_the_step_of_the_whole_packs(name, launched, reference):
+    results = launched(name)
+    for weighting in WEIGHTINGS:
+        got, want = results[weighting], reference[weighting]
+        assert update_difference(got, want, reference["start"]) < 1e-4, weighting
+        assert update_ratio(got, want, reference["start"]) == pytest.approx(1, rel=1e-5)
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+        assert got["eval_loss"] == pytest.approx(want["eval_loss"], rel=1e-6)
+        # Every rank of a group sees the pack: the logs count it, its samples and tokens once.
+        assert got["logged"] == want["logged"]
+    assert "is wrapped by DeepSpeed's Ulysses layer" in results["guard"]
+
+
+@pytest.mark.integration
+@needs_launcher
+@needs_deepspeed
+def test_controls_that_break_the_split_show_it(launched, reference):
+    results, start = launched("2 ranks, DDP"), reference["start"]
+    # Shifting inside each slice loses the targets whose label sits on the next rank.
+    in_shard = results["sequence_level:in_shard_shift"]
+    assert update_difference(in_shard, reference["sequence_level"], start) > 0.05
+    assert in_shard["loss"] != pytest.approx(reference["sequence_level"]["loss"], rel=1e-3)
+    # Every rank counting the whole pack's weight doubles the denominator: half the true step.
+    whole = results["token_level:whole_pack_weights"]
+    assert update_ratio(whole, reference["token_level"], start) == pytest.approx(0.5, rel=1e-5)
+    assert whole["loss"] == pytest.approx(reference["token_level"]["loss"] / 2, rel=1e-6)
+
+
+# --- the run as users start it ---------------------------------------------------------------------------
+
+
+@pytest.mark.integration
+@needs_launcher
+@needs_deepspeed
+def test_train_splits_each_pack_over_two_ranks_after_the_preflight(tmp_path):
+    packs = save_packs(tmp_path / "packs", count_packs([[40, 21], [30], [50, 11], [25, 24]]))
+    result = launch(
+        ROOT / "train.py", "--config", str(DEMO), *demo_overrides(tmp_path / "run", packs),
+        "training.sequence_parallel_size=2", "training.max_steps=2", "training.logging_steps=1",
+        "training.save_strategy='no'", "training.disable_tqdm=true", "data.eval_file=''",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = {line.split("  ")[0]: line.split() for line in result.stdout.splitlines()}
+    assert rows["sequence parallel"][2:] == ["ok", "all", "2", "ranks", "per", "pack,", "1", "group"]
+    assert rows["first packs"][2:5] == ["ok", "all", "group"]  # one group: both ranks hold the same packs
+    state = json.loads((tmp_path / "run" / "trainer_state.json").read_text())
+    steps = [entry for entry in state["log_history"] if "loss" in entry]
+    assert [entry["packs_per_step"] for entry in steps] == [1, 1]  # each pack counted once, not per rank
+
+
+@pytest.mark.integration
+@needs_launcher
+@needs_deepspeed
+def test_probe_runs_the_length_ladder_with_each_pack_split(tmp_path):
+    output = tmp_path / "probe.json"
+    result = launch(
+        ROOT / "scripts" / "probe_memory.py", "--config", str(DEMO), "--output", str(output),
+        "--lengths", "1k,2k", "training.sequence_parallel_size=2",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    assert "2 rank(s), 1 pack(s) of each length per group of 2 ranks (each pack split over" in result.stdout
+    report = json.loads(output.read_text())
+    assert report["sequence_parallel_size"] == 2 and report["largest_fitting_length"] == 2048
+    for entry in report["results"]:
+        assert entry["status"] == "fits" and [r["rank"] for r in entry["ranks"]] == [0, 1]
+        assert all(r["peak_bytes"] > 0 and r["step_seconds"] > 0 for r in entry["ranks"])
