@@ -131,17 +131,13 @@ def _pre_tokenize_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _pre_tokenize(args: argparse.Namespace) -> int:
-    from transformers import AutoTokenizer
-
     from longalign.sources import Source
-    from longalign.tokenize import pre_tokenize
+    from longalign.tokenize import open_tokenizer, pre_tokenize
 
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, trust_remote_code=args.trust_remote_code)
-    if not tokenizer.is_fast:
-        raise ValueError(
-            f"{args.tokenizer}: a fast tokenizer is needed (token offsets locate the assistant turns)"
-        )
+    tokenizer = open_tokenizer(args.tokenizer, trust_remote_code=args.trust_remote_code)
     if args.chat_template is not None:
+        if not args.chat_template.is_file():
+            raise FileNotFoundError(f"{args.chat_template}: chat template file not found")
         tokenizer.chat_template = args.chat_template.read_text(encoding="utf-8")
     report = pre_tokenize(
         [Source(path, split=args.split) for path in args.input],

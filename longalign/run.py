@@ -31,7 +31,7 @@ import pyarrow.compute as pc
 import torch
 import transformers
 from accelerate import PartialState
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainingArguments
+from transformers import AutoConfig, AutoModelForCausalLM, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 import longalign.patch
@@ -49,7 +49,7 @@ from longalign.preflight import (
 )
 from longalign.redact import is_secret_name, redact
 from longalign.sources import Source, fingerprint, kind
-from longalign.tokenize import pre_tokenize
+from longalign.tokenize import open_tokenizer, pre_tokenize
 from longalign.trainer import CHECKPOINT_RECORD, LongAlignTrainer
 
 
@@ -68,7 +68,7 @@ def load_tokenizer(cfg: Config):
     name = cfg.model.tokenizer or cfg.model.model_name_or_path
     if not name:
         raise ConfigError("model.tokenizer: set it (a random model from init_from_config has no tokenizer)")
-    return AutoTokenizer.from_pretrained(name, trust_remote_code=cfg.model.trust_remote_code)
+    return open_tokenizer(name, trust_remote_code=cfg.model.trust_remote_code)
 
 
 def model_config(cfg: Config):

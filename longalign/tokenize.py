@@ -36,6 +36,7 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import datasets
@@ -178,6 +179,26 @@ def _text_part(part: Any, where: str) -> str:
             "bad_message", f"{where}: 'text' must be a string, got {type(part.get('text')).__name__}"
         )
     return part["text"]
+
+
+def open_tokenizer(name: str, *, trust_remote_code: bool = False):
+    """The fast tokenizer at ``name`` (a local directory or a Hub name); a one-line error when there is none.
+
+    A fast tokenizer is needed: its token offsets place the assistant turns.
+    """
+    from transformers import AutoTokenizer
+
+    local = Path(name).expanduser()
+    if (name.startswith((".", "/", "~")) or local.exists()) and not local.is_dir():
+        raise InputError(f"{name}: no tokenizer there (a directory with tokenizer files, or a Hub name)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        message = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise InputError(f"{name}: cannot load a tokenizer ({message})") from None
+    if not tokenizer.is_fast:
+        raise InputError(f"{name}: a fast tokenizer is needed (token offsets locate the assistant turns)")
+    return tokenizer
 
 
 def has_generation_markers(tokenizer) -> bool:

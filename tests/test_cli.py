@@ -75,6 +75,36 @@ def test_pack_writes_plot_and_prints_summary(tmp_path, capsys):
             ],
             "missing.jsonl: not found",
         ),  # fmt: skip
+        (
+            [
+                "pre-tokenize",
+                "--input",
+                str(SAMPLE),
+                "--tokenizer",
+                "/no/such/tokenizer",
+                "--output",
+                "o",
+                "--max-seq-len",
+                "64",
+            ],
+            "/no/such/tokenizer: no tokenizer there",
+        ),  # fmt: skip
+        (
+            [
+                "pre-tokenize",
+                "--input",
+                str(SAMPLE),
+                "--tokenizer",
+                str(TOKENIZER),
+                "--chat-template",
+                "/no/template.jinja",
+                "--output",
+                "o",
+                "--max-seq-len",
+                "64",
+            ],
+            "/no/template.jinja: chat template file not found",
+        ),  # fmt: skip
     ],
 )
 def test_bad_input_is_one_line_naming_it(argv, message, capsys):
