@@ -3,7 +3,7 @@
 A run file looks like::
 
     [data]
-    train_file = "out/packed"          # a pre-tokenized or a packed dataset directory
+    train_file = "chats.jsonl"         # raw chats (prepared and cached), or a tokenized or packed directory
     max_seq_len = 65536
 
     [packing]
@@ -43,6 +43,7 @@ from longalign.attention import BACKENDS
 from longalign.batching import WEIGHTINGS
 from longalign.packing import STRATEGIES
 from longalign.sources import InputError, Source
+from longalign.tokenize import TRUNCATIONS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -50,7 +51,6 @@ else:
     import tomli as tomllib
 
 TORCH_DTYPES = ("auto", "float32", "bfloat16", "float16")
-TRUNCATIONS = ("right", "left", "drop")  # as pre-tokenize takes them
 
 
 class ConfigError(ValueError):
@@ -61,9 +61,7 @@ class ConfigError(ValueError):
 class DataConfig:
     train_file: str = ""  # raw chats (file, directory, dataset, Hub id), or a tokenized or packed dir
     eval_file: str | None = None  # same kinds as train_file; eval loss uses the same weighting
-    sources: list[dict[str, Any]] = field(
-        default_factory=list
-    )  # [[data.sources]]: a mix, instead of train_file
+    sources: list[dict[str, Any]] = field(default_factory=list)  # [[data.sources]]: a mix instead
     truncation: str | None = None  # raw data over max_seq_len: right (default) | left | drop
     num_proc: int = 1  # processes that pre-tokenize raw data
     max_seq_len: int = 65536  # token budget of one pack

@@ -327,11 +327,12 @@ def build_trainer(cfg: Config) -> LongAlignTrainer:
     args = training_arguments(cfg)
     check_sequence_parallel(cfg, args.world_size, parallelism=args.parallelism_config)
     tokenizer = load_tokenizer(cfg)
+    # The data first: a problem with it shows before the weights are loaded.
+    train_packs = resolve_packs("train", cfg, args, tokenizer)
+    eval_packs = resolve_packs("eval", cfg, args, tokenizer) if cfg.data.eval_file else None
     transformers.set_seed(args.seed)
     model = load_model(cfg)
-    train_packs = resolve_packs("train", cfg, args, tokenizer)
     check_vocabulary(model, train_packs, "the training data")
-    eval_packs = resolve_packs("eval", cfg, args, tokenizer) if cfg.data.eval_file else None
     if eval_packs is not None:
         check_vocabulary(model, eval_packs, "the eval data")
     return LongAlignTrainer(
