@@ -20,6 +20,9 @@ A run file looks like::
     [model]
     model_name_or_path = "meta-llama/Llama-3.1-8B-Instruct"
 
+    [lora]                             # optional: train LoRA adapters instead of every weight
+    r = 16
+
 Names that LongAlign-style run files use for a setting (``sort_by_length``, ``use_flash_attention``, ...)
 are accepted as aliases of one canonical key each (``ALIASES``). The file is read first, then the command
 line's overrides; within one of them, an alias and its canonical key that disagree are an error naming
@@ -218,6 +221,45 @@ def _check_model_settings(settings: dict[str, Any]) -> None:
 
 
 @dataclass
+class LoraConfig:
+    """``[lora]``: LoRA adapters (peft) on a frozen base; the section's absence means full fine-tuning."""
+
+    r: int = 16  # rank of each adapter
+    alpha: float = 32.0  # the adapter's output is scaled by alpha / r
+    dropout: float = 0.0  # dropout on the adapters' input
+    target_modules: list[str] | None = None  # default: every attention and MLP projection of the family
+    # Whole modules trained (and saved) next to the adapters: "embeddings", "norms", "lm_head" or module
+    # names. LongLoRA trains ["embeddings", "norms"] too when extending the context.
+    trainable: list[str] = field(default_factory=list)
+    load_in_4bit: bool = False  # QLoRA: the frozen base in 4-bit NF4 (bitsandbytes, CUDA only)
+    load_in_8bit: bool = False  # the frozen base in 8-bit (bitsandbytes, CUDA only)
+
+    def __post_init__(self) -> None:
+        if self.r < 1:
+            raise ConfigError(f"lora.r: must be >= 1, got {self.r}")
+        if self.alpha <= 0:
+            raise ConfigError(f"lora.alpha: must be > 0, got {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"lora.dropout: must be >= 0 and < 1, got {self.dropout}")
+        for key in ("target_modules", "trainable"):
+            names = getattr(self, key)
+            if names is None:
+                continue
+            if key == "target_modules" and not names:
+                raise ConfigError(
+                    "lora.target_modules: an empty list adapts nothing; leave it out for the default"
+                )
+            bad = [name for name in names if not isinstance(name, str) or not name.strip(".")]
+            if bad:
+                raise ConfigError(f"lora.{key}: expected module names, got {bad[0]!r}")
+            repeated = [name for name in names if names.count(name) > 1]
+            if repeated:
+                raise ConfigError(f"lora.{key}: {repeated[0]!r} is listed twice")
+        if self.load_in_4bit and self.load_in_8bit:
+            raise ConfigError("lora.load_in_4bit and lora.load_in_8bit: set one")
+
+
+@dataclass
 class TrainingConfig:
     output_dir: str = "runs/longalign"
     preflight: bool | None = None  # run the multi-rank checks before the first step; default: when ranks > 1
@@ -240,6 +282,7 @@ SECTIONS = {
     "loss": LossConfig,
     "training": TrainingConfig,
     "model": ModelConfig,
+    "lora": LoraConfig,  # optional: only a run file (or override) that names it trains adapters
 }
 
 
@@ -270,6 +313,10 @@ ALIASES = {
     "training.per_device_batch_size": Alias("training.per_device_train_batch_size"),
     # TrainingArguments reads a warmup_steps value below 1 as a fraction of all steps.
     "training.warmup_ratio": Alias("training.warmup_steps"),
+    # peft's own LoraConfig names.
+    "lora.lora_alpha": Alias("lora.alpha"),
+    "lora.lora_dropout": Alias("lora.dropout"),
+    "lora.modules_to_save": Alias("lora.trainable"),
 }
 
 # Keys that say the same thing two ways: a layer (the command line) that sets one drops the other from the
@@ -306,6 +353,7 @@ class Config:
     loss: LossConfig
     training: TrainingConfig
     model: ModelConfig
+    lora: LoraConfig | None = None  # None: full fine-tuning
     # "section.key" -> where its value came from: a file path or "command line", with the alias written
     sources: dict[str, str] = field(default_factory=dict)
 
@@ -315,7 +363,11 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         """The config as plain TOML-able tables (training args flattened back into ``[training]``)."""
-        out = {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+        out = {
+            name: dataclasses.asdict(getattr(self, name))
+            for name in SECTIONS
+            if getattr(self, name) is not None
+        }
         out["training"].update(out["training"].pop("args"))
         return out
 
@@ -339,6 +391,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             sources[key] = origin if written == key else f"{origin} (as {written})"
     built: dict[str, Any] = {}
     for name, cls in SECTIONS.items():
+        if cls is LoraConfig and not any(name in tables for _, tables in layers):
+            continue  # no [lora] anywhere: full fine-tuning
         table = {key.partition(".")[2]: value for key, value in values.items() if key.startswith(name + ".")}
         if cls is TrainingConfig:
             own = {key: table.pop(key) for key in _OWN_TRAINING_KEYS if key in table}

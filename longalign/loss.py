@@ -21,6 +21,9 @@ and what a sharded row must keep)::
    used inside the head module's own call, so FSDP and DeepSpeed ZeRO-3 gather it around forward and
    backward as for any layer, and its gradient flows through the normal backward. ``S`` reads only the
    hidden states and targets it is given, so it is exact on a slice of a row.
+4. **Adapters.** The head may sit inside a peft model, frozen (no weight gradient is computed), trained
+   whole, or with a LoRA adapter of its own, whose effective weight is built inside the head's call
+   (:func:`head_as_linear`) so that the adapter's gradient comes out of the same backward.
 
 The trainer divides ``S`` by the step's denominator (the sum of ``loss_weights`` over all micro-batches
 and ranks of the step).
@@ -34,9 +37,8 @@ buffer. ``benchmarks/loss_memory.py`` compares it with transformers' full-logits
 
 from __future__ import annotations
 
-import functools
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -260,19 +262,41 @@ _LOGIT_LIKE_FIELD = re.compile(r"(logit|lm_head|output).*(scal|mult|cap)|(scal|m
 _NOT_OUTPUT_FIELD = re.compile(r"attn|attention|router|init")
 
 
+LinearInputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # hidden, weight, bias
+
+
+def head_as_linear(model: nn.Module, head: nn.Module) -> Callable[[torch.Tensor], LinearInputs]:
+    """The output layer as ``hidden -> (hidden', weight, bias)``, its logits being ``hidden' @ weight^T + bias``.
+
+    A ``torch.nn.Linear`` is read as it is. A head that peft wrapped, trained whole or with a LoRA
+    adapter, is read by :func:`longalign.lora.adapted_head`, which widens ``hidden`` by the adapter's
+    inputs. Raises ``ValueError`` naming any other layer (quantized, custom).
+    """
+    if type(head) is nn.Linear:
+        return lambda hidden: (hidden, head.weight, head.bias)
+    if type(head).__module__.startswith("peft."):
+        from longalign.lora import adapted_head  # only a model with adapters has such a head
+
+        try:
+            return adapted_head(head)
+        except ValueError as err:
+            raise ValueError(f"{type(model).__name__}: {err}") from None
+    raise ValueError(
+        f"{type(model).__name__}: output layer is {type(head).__name__}, the chunked loss supports a "
+        "torch.nn.Linear, frozen, trained, or with a peft LoRA adapter (not quantized)"
+    )
+
+
 def lm_head_spec(model: nn.Module) -> LMHead:
     """The output layer of a transformers causal LM, with any logit scale or soft-cap from its config.
 
     Raises ``ValueError`` naming the module class or config field when the model's logits are computed
     in a way this loss does not reproduce. Read it every step, after ``forward_hidden``: sharding
-    backends may swap the parameter objects between steps.
+    backends may swap the parameter objects between steps. For a head with a LoRA adapter, ``weight``
+    is its frozen base (:func:`head_as_linear` adds the adapter).
     """
     head = model.get_output_embeddings()
-    if type(head) is not nn.Linear:
-        raise ValueError(
-            f"{type(model).__name__}: output layer is {type(head).__name__}, the chunked loss supports a "
-            "plain torch.nn.Linear (not quantized or adapter-wrapped)"
-        )
+    head_as_linear(model, head)
     config = model.config.get_text_config()
     for name, value in config.to_dict().items():
         if value is not None and _LOGIT_LIKE_FIELD.search(name) and not _NOT_OUTPUT_FIELD.search(name):
@@ -326,19 +350,21 @@ class LossHead:
                 "the loss computed inside the LM head cannot follow"
             )
         self.head = model.get_output_embeddings()
+        self.as_linear = head_as_linear(model, self.head)
         self.shifted = "shift_labels" in batch
         prefix = "shift_" if self.shifted else ""
         self.labels, self.weights = batch[prefix + "labels"], batch[prefix + "loss_weights"]
         self.chunk_size, self.ignore_index = chunk_size, ignore_index
 
-    def forward(self, head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """What the head computes while installed: ``S`` as ``[1, 1, 1]`` from ``hidden [B, T, H]``."""
+        hidden, weight, bias = self.as_linear(hidden)
         total = weighted_token_loss(
             hidden,
-            head.weight,
+            weight,
             self.labels,
             self.weights,
-            lm_head_bias=head.bias,
+            lm_head_bias=bias,
             chunk_size=self.chunk_size,
             ignore_index=self.ignore_index,
             shifted=self.shifted,
@@ -346,7 +372,7 @@ class LossHead:
         return total.reshape(1, 1, 1)
 
     def __enter__(self) -> LossHead:
-        self.head.forward = functools.partial(self.forward, self.head)
+        self.head.forward = self.forward
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -7,7 +7,7 @@ Everything that turns a run file into working objects lives here, once::
     tokenizer = load_tokenizer(cfg)
     model = load_model(cfg)                 # dtype from model_dtype(cfg), varlen attention patched in
     packs = resolve_packs("train", cfg, args, tokenizer)
-    trainer = build_trainer(cfg)            # all of the above, as a LongAlignTrainer
+    trainer = build_trainer(cfg)            # all of the above (with [lora]'s adapters), as a LongAlignTrainer
     train(cfg)                              # preflight -> resume -> train -> evaluate -> save -> close
 
 ``train.py`` (``longalign train``), the preflight (``longalign preflight``) and the memory probe
@@ -37,7 +37,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 import longalign.patch
 from longalign.artifacts import REPORT_NAME, load_stage, read_report
 from longalign.batching import EXACT_WEIGHTINGS, packs_fingerprint
-from longalign.config import RESERVED_TRAINING_ARGS, Config, ConfigError
+from longalign.config import RESERVED_TRAINING_ARGS, Config, ConfigError, LoraConfig
 from longalign.packing import write_packs
 from longalign.preflight import (
     DEFAULT_ENV,
@@ -52,10 +52,15 @@ from longalign.sources import Source, fingerprint, kind
 from longalign.tokenize import open_tokenizer, pre_tokenize
 from longalign.trainer import CHECKPOINT_RECORD, LongAlignTrainer
 
+LORA_KEYS = [field.name for field in dataclasses.fields(LoraConfig)]
+
 
 def training_arguments(cfg: Config) -> TrainingArguments:
     """The run's ``TrainingArguments``, built here and nowhere else; a value they refuse names its key."""
     settings = {**cfg.training.args, "remove_unused_columns": False}
+    if cfg.lora is not None:
+        # Every adapter gets a gradient every step; DDP's search for unused ones would only cost time.
+        settings.setdefault("ddp_find_unused_parameters", False)
     try:
         return TrainingArguments(output_dir=cfg.training.output_dir, **settings)
     except (ValueError, TypeError) as err:
@@ -95,15 +100,29 @@ def model_dtype(cfg: Config) -> torch.dtype:
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype or torch.float32
 
 
-def load_model(cfg: Config) -> torch.nn.Module:
-    """The model of ``[model]`` (pretrained, or random from ``init_from_config``), patched for packed input."""
+def load_model(cfg: Config, device: torch.device | None = None) -> torch.nn.Module:
+    """The model of ``[model]`` (pretrained, or random from ``init_from_config``), patched for packed input.
+
+    With ``[lora] load_in_4bit`` or ``load_in_8bit`` a pretrained model loads quantized onto ``device``.
+    """
     mc = cfg.model
     dtype = model_dtype(cfg)
+    quantized = cfg.lora is not None and (cfg.lora.load_in_4bit or cfg.lora.load_in_8bit)
     if mc.init_from_config is not None:
+        if quantized:
+            raise ConfigError(
+                "lora.load_in_4bit/load_in_8bit: a checkpoint is quantized as it loads; save the random model "
+                "and set model.model_name_or_path to it instead of init_from_config"
+            )
         model = AutoModelForCausalLM.from_config(model_config(cfg), dtype=dtype)
     else:
+        extra = {}
+        if quantized:
+            from longalign.lora import quantization
+
+            extra = quantization(cfg.lora, dtype=dtype, device=device or torch.device("cpu"))
         model = AutoModelForCausalLM.from_pretrained(
-            mc.model_name_or_path, dtype=dtype, trust_remote_code=mc.trust_remote_code
+            mc.model_name_or_path, dtype=dtype, trust_remote_code=mc.trust_remote_code, **extra
         )
     return longalign.patch.apply(
         model, backend=mc.attn_backend, sequence_parallel_size=cfg.training.sequence_parallel_size
@@ -314,12 +333,52 @@ def run_record(cfg: Config, args: TrainingArguments, packs) -> dict[str, Any]:
                 if cfg.training.sequence_parallel_size > 1
                 else {}
             ),
+            **adapter_record(cfg),
         },
         "kept": {
             f"training.{name}": getattr(args, name)
             for name in ("learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay", "optim")
         },
     }
+
+
+def adapter_record(cfg: Config) -> dict[str, Any]:
+    """The ``[lora]`` settings and the base model under the adapters; all ``None`` for full fine-tuning.
+
+    A resume loads only the adapters from the checkpoint and rebuilds the frozen base from the config,
+    so the base and every adapter setting must match, as the data must.
+    """
+    settings = dataclasses.asdict(cfg.lora) if cfg.lora is not None else dict.fromkeys(LORA_KEYS)
+    record = {f"lora.{key}": value for key, value in settings.items()}
+    base = cfg.model.model_name_or_path or json.dumps(cfg.model.init_from_config, sort_keys=True)
+    record["lora.base_model"] = base if cfg.lora is not None else None
+    return record
+
+
+def adapt(model: torch.nn.Module, cfg: Config, args: TrainingArguments) -> torch.nn.Module:
+    """``model`` with ``[lora]``'s adapters (see ``longalign.lora``).
+
+    A random base (``init_from_config``) is saved in ``output_dir/base_model`` for merging; the adapters
+    name it as their base.
+    """
+    from longalign.lora import BASE_MODEL_DIR, add_adapters, save_base
+
+    base = cfg.model.model_name_or_path
+    if cfg.model.init_from_config is not None:
+        base = str((Path(args.output_dir) / BASE_MODEL_DIR).resolve())
+        if args.should_save:
+            save_base(model, args.output_dir)
+    return add_adapters(model, cfg.lora, base_model=base)
+
+
+def parameter_summary(model: torch.nn.Module) -> str:
+    """``parameters: 20,971,520 trainable of 8,051,232,768 (0.26%)``, counting 4-bit weights as peft does."""
+    if hasattr(model, "get_nb_trainable_parameters"):
+        trainable, total = model.get_nb_trainable_parameters()
+    else:
+        total = sum(param.numel() for param in model.parameters())
+        trainable = sum(param.numel() for param in model.parameters() if param.requires_grad)
+    return f"parameters: {trainable:,} trainable of {total:,} ({trainable / max(total, 1):.2%})"
 
 
 def build_trainer(cfg: Config) -> LongAlignTrainer:
@@ -331,10 +390,12 @@ def build_trainer(cfg: Config) -> LongAlignTrainer:
     train_packs = resolve_packs("train", cfg, args, tokenizer)
     eval_packs = resolve_packs("eval", cfg, args, tokenizer) if cfg.data.eval_file else None
     transformers.set_seed(args.seed)
-    model = load_model(cfg)
+    model = load_model(cfg, args.device)
     check_vocabulary(model, train_packs, "the training data")
     if eval_packs is not None:
         check_vocabulary(model, eval_packs, "the eval data")
+    if cfg.lora is not None:
+        model = adapt(model, cfg, args)
     return LongAlignTrainer(
         model=model,
         args=args,
@@ -374,6 +435,8 @@ def _lifecycle(trainer: LongAlignTrainer, cfg: Config) -> int:
             print(report, flush=True)
         if not report.ok:
             return 1
+    if trainer.is_world_process_zero():
+        print(parameter_summary(trainer.model), flush=True)
     resume = resume_point(trainer, cfg)
     trainer.train(resume_from_checkpoint=resume)
     if trainer.eval_dataset is not None:

@@ -2,7 +2,9 @@
 
 Imported by tests/test_invariance.py, and run under ``accelerate launch`` for the multi-rank case:
 
-    accelerate launch --multi_gpu --num_processes 2 tests/invariance_run.py OUT.pt WEIGHTING SAMPLES_PER_PACK GA
+    accelerate launch --multi_gpu --num_processes 2 tests/invariance_run.py OUT.pt WEIGHTING SAMPLES_PER_PACK GA [lora]
+
+With ``lora`` the model trains LoRA adapters (:data:`ADAPTERS`) instead of every weight.
 """
 
 from __future__ import annotations
@@ -16,10 +18,15 @@ from conftest import TINY, pack_row, tiny_model
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from longalign.batching import PackCollator
+from longalign.config import LoraConfig
 from longalign.run import close
 from longalign.trainer import LongAlignTrainer
 
 VOCAB = TINY["vocab_size"]
+# Adapters on every projection and on the head, with trained norms: every kind of trained part.
+ADAPTERS = LoraConfig(
+    r=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj", "lm_head"], trainable=["norms"]
+)
 # (length, prompt tokens): the prompt is not a target; the last sample has no target at all.
 SAMPLES = [(9, 3), (4, 1), (17, 5), (6, 2), (12, 11), (3, 1), (14, 4), (5, 5)]
 
@@ -46,7 +53,9 @@ class GradientCapture(TrainerCallback):
         self.grads: dict[str, torch.Tensor] = {}
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        self.grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+        self.grads = {
+            name: p.grad.detach().clone() for name, p in model.named_parameters() if p.requires_grad
+        }
 
 
 class StockCollator:
@@ -61,8 +70,24 @@ class StockCollator:
         return batch
 
 
-def one_step(weighting: str, samples_per_pack: int, accumulation: int, *, stock: bool = False) -> dict:
-    """Parameter gradients of one optimizer step over all SAMPLES (split as asked across ranks)."""
+def adapted_model() -> torch.nn.Module:
+    """The tiny model with :data:`ADAPTERS`, their B matrices random: at peft's zero, A's gradient is zero."""
+    from longalign.lora import add_adapters
+
+    model = add_adapters(tiny_model(backend="sdpa_segments"), ADAPTERS, base_model="tiny")
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    return model
+
+
+def one_step(
+    weighting: str, samples_per_pack: int, accumulation: int, *, stock: bool = False, lora: bool = False
+) -> dict:
+    """Gradients of the trained parameters in one optimizer step over all SAMPLES (split as asked across
+    ranks); ``lora`` trains :data:`ADAPTERS`."""
     capture = GradientCapture()
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(
@@ -79,7 +104,7 @@ def one_step(weighting: str, samples_per_pack: int, accumulation: int, *, stock:
             disable_tqdm=True,
         )
         common = {
-            "model": tiny_model(backend="sdpa_segments"),
+            "model": adapted_model() if lora else tiny_model(backend="sdpa_segments"),
             "args": args,
             "train_dataset": packs(samples_per_pack),
             "callbacks": [capture],
@@ -94,7 +119,7 @@ def one_step(weighting: str, samples_per_pack: int, accumulation: int, *, stock:
 
 if __name__ == "__main__":
     path, weighting, per_pack, accumulation = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    grads = one_step(weighting, per_pack, accumulation)
+    grads = one_step(weighting, per_pack, accumulation, lora=sys.argv[5:] == ["lora"])
     if int(torch.distributed.get_rank()) == 0:
         torch.save(grads, path)
     close()

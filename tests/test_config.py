@@ -205,6 +205,7 @@ SHIPPED = {
     "llama3_8b_256k_sp8.toml": (262144, 8),
     "glm4_9b_128k_sp4.toml": (131072, 4),
     "longalign_recipe.toml": (65536, 1),
+    "llama3_8b_64k_lora.toml": (65536, 1),
 }
 
 
@@ -213,6 +214,7 @@ def test_shipped_run_configs_load(name):
     cfg = load_config(CONFIGS / name)
     assert cfg.data.train_file
     assert (cfg.data.max_seq_len, cfg.training.sequence_parallel_size) == SHIPPED[name]
+    assert (cfg.lora is not None) == name.endswith("_lora.toml")
     if name != "demo.toml":  # the GPU configs train in bf16 with activation checkpointing
         assert cfg.training.args["bf16"] and cfg.training.args["activation_checkpointing"]
         assert cfg.model.torch_dtype == "bfloat16"
@@ -283,3 +285,47 @@ def test_sources_on_the_command_line_replace_the_file_s_train_file(tmp_path):
         load_config(path, ["data.sources=[{path = 'a.jsonl'}]", "data.train_file='c.jsonl'"])
     with pytest.raises(ConfigError, match=r"data.sources\[0\].weigth: unknown key; did you mean 'weight'\?"):
         load_config(path, ["data.sources=[{path = 'a.jsonl', weigth = 2}]"])
+
+
+def test_lora_section_is_optional_and_checked(tmp_path):
+    assert load_config(None, [M]).lora is None  # no [lora]: full fine-tuning
+    empty = load_config(write(tmp_path, "[model]\nmodel_name_or_path = 'm'\n[lora]\n"))
+    assert empty.lora is not None and empty.lora.r == 16 and empty.lora.target_modules is None
+    assert list(empty.to_dict())[-1] == "lora"
+    cfg = load_config(
+        None,
+        [
+            M,
+            "lora.r=8",
+            "lora.lora_alpha=16",
+            "lora.trainable=['embeddings', 'norms']",
+            "lora.load_in_4bit=true",
+        ],
+    )
+    assert (cfg.lora.r, cfg.lora.alpha, cfg.lora.trainable) == (8, 16, ["embeddings", "norms"])
+    assert cfg.lora.load_in_4bit and cfg.source("lora.alpha") == "command line (as lora.lora_alpha)"
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("lora.rank=8", "lora.rank: unknown key"),
+        ("lora.r=0", "lora.r: must be >= 1, got 0"),
+        ("lora.alpha=-1", "lora.alpha: must be > 0"),
+        ("lora.dropout=1.0", "lora.dropout: must be >= 0 and < 1, got 1.0"),
+        ("lora.target_modules='q_proj'", "lora.target_modules: expected list or nothing, got str"),
+        ("lora.target_modules=[]", "lora.target_modules: an empty list adapts nothing"),
+        ("lora.trainable=['norms', 'norms']", "lora.trainable: 'norms' is listed twice"),
+        ("lora.trainable=[3]", "lora.trainable: expected module names, got 3"),
+        ("lora.load_in_4bit='yes'", "lora.load_in_4bit: expected bool, got str"),
+    ],
+)
+def test_bad_lora_keys_and_values_are_named(override, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        load_config(None, [M, override])
+    assert "\n" not in str(err.value)
+
+
+def test_both_quantizations_at_once_are_refused():
+    with pytest.raises(ConfigError, match="lora.load_in_4bit and lora.load_in_8bit: set one"):
+        load_config(None, [M, "lora.load_in_4bit=true", "lora.load_in_8bit=true"])

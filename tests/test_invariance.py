@@ -53,6 +53,31 @@ def test_two_ranks_times_accumulation_two(weighting, reference, tmp_path):
     assert_same(torch.load(out), reference)
 
 
+@pytest.fixture(scope="module")
+def adapter_reference():
+    return one_step("sequence_level", samples_per_pack=1, accumulation=N, lora=True)
+
+
+@pytest.mark.parametrize("per_pack, accumulation", [(N, 1), (N // 4, 4)], ids=["one_pack", "accumulation"])
+def test_adapter_gradients_do_not_depend_on_the_split(adapter_reference, per_pack, accumulation):
+    got = one_step("sequence_level", samples_per_pack=per_pack, accumulation=accumulation, lora=True)
+    assert any("lora_A" in name for name in got) and any("lm_head.lora_B" in name for name in got)
+    assert all("lora" in name or "norm" in name for name in got)  # the base is frozen
+    assert_same(got, adapter_reference)
+
+
+@pytest.mark.integration
+@needs_launcher
+def test_adapters_on_two_ranks_times_accumulation_two(adapter_reference, tmp_path):
+    out = tmp_path / "grads.pt"
+    result = launch(
+        HERE / "invariance_run.py", str(out), "sequence_level", str(N // 4), "2", "lora",
+        env={"PYTHONPATH": str(HERE)},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same(torch.load(out), adapter_reference)
+
+
 def test_stock_trainer_is_token_level_not_sequence_level():
     """HF's own loss (token mean over the accumulated step) matches token_level and misses sequence_level."""
     stock = one_step("token_level", samples_per_pack=1, accumulation=N, stock=True)

@@ -25,8 +25,10 @@ from conftest import (
 from longalign.artifacts import load_stage, read_report
 from longalign.config import ConfigError, load_config
 from longalign.run import (
+    adapter_record,
     check_sequence_parallel,
     check_vocabulary,
+    compare_records,
     model_dtype,
     resolve_packs,
     resume_point,
@@ -195,6 +197,37 @@ def test_a_resume_that_turns_sequence_parallelism_off_is_refused(tmp_path):
     )
     with pytest.raises(ConfigError, match="training.sequence_parallel_size 2 -> None"):
         resume_point(fake_trainer(tmp_path, "last"), load_config(DEMO))
+
+
+def test_the_record_holds_the_adapter_settings_and_their_base():
+    full = adapter_record(load_config(DEMO))
+    assert full["lora.r"] is None and full["lora.base_model"] is None
+    record = adapter_record(load_config(DEMO, ["lora.r=8", "lora.trainable=['norms']"]))
+    assert (
+        record["lora.r"] == 8
+        and record["lora.trainable"] == ["norms"]
+        and record["lora.load_in_4bit"] is False
+    )
+    assert json.loads(record["lora.base_model"])["model_type"] == "llama"  # the demo's random base
+    assert set(record) == set(full)
+
+
+def test_a_resume_with_other_adapters_or_none_is_refused(tmp_path):
+    saved = {**RECORD, "decides": {**RECORD["decides"], **adapter_record(load_config(DEMO, ["lora.r=8"]))}}
+    path = checkpoint(tmp_path, 4, saved)
+    for overrides, change in ((["lora.r=4"], "lora.r 8 -> 4"), ([], "lora.r 8 -> None")):
+        now = {**RECORD, "decides": {**RECORD["decides"], **adapter_record(load_config(DEMO, overrides))}}
+        with pytest.raises(ConfigError, match=change):
+            compare_records(path, now, ignore_changes=False)
+    same = {**RECORD, "decides": {**RECORD["decides"], **adapter_record(load_config(DEMO, ["lora.r=8"]))}}
+    assert compare_records(path, same, ignore_changes=False) == []
+
+
+def test_adapter_runs_tell_ddp_every_trained_parameter_is_used():
+    assert training_arguments(load_config(DEMO, ["lora.r=8"])).ddp_find_unused_parameters is False
+    assert training_arguments(load_config(DEMO)).ddp_find_unused_parameters is None  # Trainer decides
+    kept = load_config(DEMO, ["lora.r=8", "training.ddp_find_unused_parameters=true"])
+    assert training_arguments(kept).ddp_find_unused_parameters is True
 
 
 def test_a_checkpoint_without_a_record_needs_the_override(tmp_path):

@@ -1,0 +1,410 @@
+"""LoRA adapters on patched tiny models: targets per family, packed == each sample alone through the chunked
+loss (adapter gradients included), adapted and trained heads, checkpointing, QLoRA, merging, and a run that
+trains, resumes and merges."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import DEMO, ROOT, TINY, demo_overrides, tiny_model
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from longalign.batching import PackCollator
+from longalign.cli import main
+from longalign.config import ConfigError, LoraConfig, load_config
+from longalign.lora import (
+    add_adapters,
+    merge_adapter,
+    quantization,
+    save_base,
+    target_modules,
+    trainable_modules,
+)
+from longalign.loss import lm_head_spec, weighted_loss_sum
+from longalign.run import load_model, parameter_summary
+
+VOCAB = TINY["vocab_size"]
+LENGTHS = [5, 9, 1, 12, 7]  # a single-token sample among them
+
+
+def randomize_adapters(model: torch.nn.Module, seed: int = 3) -> torch.nn.Module:
+    """Random B matrices (peft starts them at zero, where A's gradient is zero) and perturbed trained copies."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name or "modules_to_save" in name:
+                param.add_(torch.randn(param.shape, generator=generator) * 0.1)
+    return model
+
+
+def adapted(kind: str = "llama", **settings) -> torch.nn.Module:
+    model = tiny_model(kind, backend="sdpa_segments")
+    lora = LoraConfig(**{"r": 4, "alpha": 8.0, **settings})
+    return randomize_adapters(add_adapters(model, lora, base_model="tiny"))
+
+
+def samples(seed: int = 1) -> list[tuple[list[int], list[int]]]:
+    """(input_ids, labels) per sample; each sample's first two tokens are prompt, not targets."""
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for length in LENGTHS:
+        ids = torch.randint(3, VOCAB, (length,), generator=generator).tolist()
+        out.append((ids, [-100] * min(2, length) + ids[2:]))
+    return out
+
+
+def packed_batch(items: list[tuple[list[int], list[int]]]) -> dict:
+    offsets = [0]
+    for ids, _ in items:
+        offsets.append(offsets[-1] + len(ids))
+    row = {
+        "input_ids": [t for ids, _ in items for t in ids],
+        "labels": [t for _, labels in items for t in labels],
+        "cu_seqlens": offsets,
+    }
+    return PackCollator(weighting="token_level")([row])
+
+
+def trained_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: param.grad.clone() for name, param in model.named_parameters() if param.requires_grad}
+
+
+def each_sample_alone(model: torch.nn.Module, items) -> torch.Tensor:
+    """Summed cross-entropy of every sample run on its own, through the model's full logits (no LossHead)."""
+    total = torch.zeros(())
+    for ids, labels in items:
+        logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
+        total = total + F.cross_entropy(
+            logits[:-1], torch.tensor(labels[1:], dtype=torch.long), ignore_index=-100, reduction="sum"
+        )
+    return total
+
+
+def relative_difference(a: dict, b: dict) -> float:
+    return max(float((a[k] - b[k]).norm() / b[k].norm()) for k in b if b[k].norm() > 0)
+
+
+# --- what gets adapters and what trains ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kind, expected",
+    [
+        ("llama", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+        ("glm", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"]),
+        ("glm4", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"]),
+        ("mistral", "all-linear"),
+    ],
+)
+def test_default_targets_are_every_attention_and_mlp_projection(kind, expected):
+    assert target_modules(tiny_model(kind, backend="sdpa_segments"), None) == expected
+    model = adapted(kind)
+    adapters = {name.split(".")[-4] for name, _ in model.named_parameters() if "lora_A" in name}
+    projections = {
+        name.rsplit(".", 1)[-1]
+        for name, module in tiny_model(kind).named_modules()
+        if isinstance(module, torch.nn.Linear) and name != "lm_head"
+    }
+    assert adapters == projections  # every linear layer of the decoder, never the head
+    assert all(("lora_" in name) == param.requires_grad for name, param in model.named_parameters())
+
+
+def test_trainable_groups_name_modules_by_role():
+    model = tiny_model("glm4")
+    assert trainable_modules(model, ["embeddings", "lm_head"]) == ["model.embed_tokens", "lm_head"]
+    norms = trainable_modules(model, ["norms"])
+    assert (
+        len(norms) == 2 * 4 + 1 and "model.layers.1.post_mlp_layernorm" in norms and norms[-1] == "model.norm"
+    )
+    assert trainable_modules(model, ["input_layernorm", "norms"])[:2] == [
+        "model.layers.0.input_layernorm",
+        "model.layers.1.input_layernorm",
+    ]
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (
+            {"target_modules": ["qproj"]},
+            r"lora.target_modules: 'qproj' names no linear layer of LlamaForCausalLM \(its linear layers: "
+            r"down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj\)",
+        ),
+        ({"trainable": ["embedding"]}, "lora.trainable: 'embedding' names no module of LlamaForCausalLM"),
+        (
+            {"target_modules": ["q_proj", "lm_head"], "trainable": ["lm_head"]},
+            "lora.trainable: lm_head also gets an adapter",
+        ),
+        ({"trainable": ["v_proj"]}, "lora.trainable: model.layers.0.self_attn.v_proj also gets an adapter"),
+    ],
+)
+def test_names_that_match_nothing_or_clash_are_one_line_errors(settings, message):
+    with pytest.raises(ConfigError, match=message):
+        add_adapters(tiny_model(backend="sdpa_segments"), LoraConfig(**settings), base_model="tiny")
+
+
+# --- exactness through the chunked loss -----------------------------------------------------------------
+
+SETTINGS = {
+    "projections": {},
+    "head_adapter_trained_embeddings_norms": {
+        "target_modules": ["q_proj", "v_proj", "o_proj", "down_proj", "lm_head"],
+        "trainable": ["embeddings", "norms"],
+    },
+    "trained_head": {"trainable": ["lm_head", "norms"]},
+}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("kind", ["llama", "glm4"])
+def test_packed_equals_each_sample_alone_with_adapters(kind, setting):
+    """One pack through the patched attention and the chunked loss in the head == every sample alone with full
+    logits: the same loss and the same gradient for every adapter and trained module."""
+    model = adapted(kind, **SETTINGS[setting])
+    items = samples()
+    packed = weighted_loss_sum(model, packed_batch(items), chunk_size=3)
+    packed.backward()
+    got = trained_grads(model)
+    model.zero_grad()
+    expected = each_sample_alone(model, items)
+    expected.backward()
+    want = trained_grads(model)
+    torch.testing.assert_close(packed, expected, rtol=1e-5, atol=1e-5)
+    assert got.keys() == want.keys() and len(got) > 0
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    assert relative_difference(got, want) < 1e-5
+
+
+def test_dropout_of_a_head_adapter_is_the_one_peft_applies():
+    """With dropout the widened head draws the same mask as peft's own forward: the same loss and gradients
+    under the same seed, and other ones under another."""
+    model = adapted(target_modules=["lm_head"], dropout=0.5).train()
+    items = samples()[:1]
+
+    def through_loss_head(seed: int):
+        torch.manual_seed(seed)
+        loss = weighted_loss_sum(model, packed_batch(items))
+        return loss, torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
+
+    torch.manual_seed(7)
+    expected = each_sample_alone(model, items)
+    expected_grads = torch.autograd.grad(expected, [p for p in model.parameters() if p.requires_grad])
+    loss, grads = through_loss_head(7)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grads, expected_grads, rtol=1e-4, atol=1e-6)
+    assert abs(float(through_loss_head(8)[0] - expected)) > 1e-3  # the test can fail: dropout is on
+
+
+def test_heads_inside_peft_models_are_read_and_unsupported_ones_named():
+    frozen = adapted()
+    assert type(frozen.get_output_embeddings()) is torch.nn.Linear
+    assert lm_head_spec(frozen).weight is frozen.get_output_embeddings().weight
+    assert not frozen.get_output_embeddings().weight.requires_grad
+    for settings in ({"trainable": ["lm_head"]}, {"target_modules": ["lm_head"]}):
+        lm_head_spec(adapted(**settings))  # a trained copy and a LoRA adapter are both read
+
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    dora = get_peft_model(
+        tiny_model(backend="sdpa_segments"), PeftLoraConfig(target_modules=["lm_head"], use_dora=True)
+    )
+    with pytest.raises(ValueError, match="PeftModel: output layer has a LoRA adapter .*DoRA"):
+        weighted_loss_sum(dora, packed_batch(samples()))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_keeps_adapter_gradients(reentrant):
+    items = samples()
+    plain = adapted()
+    weighted_loss_sum(plain, packed_batch(items)).backward()
+    checkpointed = adapted()
+    checkpointed.activation_checkpointing_enable({"use_reentrant": reentrant})
+    weighted_loss_sum(checkpointed, packed_batch(items)).backward()
+    torch.testing.assert_close(trained_grads(checkpointed), trained_grads(plain))
+    # Frozen embeddings still hand the first layer an input that needs a gradient (checkpointing or not).
+    assert adapted().get_input_embeddings()(torch.tensor([[3, 4]])).requires_grad
+
+
+def test_trained_embeddings_stay_tied_to_the_head():
+    base = tiny_model(backend="sdpa_segments", tie_word_embeddings=True)
+    model = randomize_adapters(
+        add_adapters(base, LoraConfig(r=4, trainable=["embeddings"]), base_model="tiny")
+    )
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    assert head.modules_to_save["default"].weight is embedding.modules_to_save["default"].weight
+    items = samples()
+    packed = weighted_loss_sum(model, packed_batch(items))
+    torch.testing.assert_close(packed, each_sample_alone(model, items), rtol=1e-5, atol=1e-5)
+
+
+def test_parameter_summary_counts_what_trains():
+    model = adapted()
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    assert (
+        parameter_summary(model)
+        == f"parameters: {trainable:,} trainable of {total:,} ({trainable / total:.2%})"
+    )
+    full = tiny_model()
+    assert parameter_summary(full).endswith(f"trainable of {total - trainable:,} (100.00%)")
+
+
+# --- QLoRA ------------------------------------------------------------------------------------------------
+
+
+def test_quantization_is_refused_off_cuda_in_one_line():
+    assert quantization(None, dtype=torch.bfloat16, device=torch.device("cpu")) == {}
+    assert quantization(LoraConfig(), dtype=torch.bfloat16, device=torch.device("cpu")) == {}
+    with pytest.raises(
+        ConfigError, match=r"^lora.load_in_4bit: needs a CUDA GPU \(bitsandbytes quantizes on CUDA only\)"
+    ):
+        quantization(LoraConfig(load_in_4bit=True), dtype=torch.bfloat16, device=torch.device("cpu"))
+    with pytest.raises(ConfigError, match="lora.load_in_8bit: needs a CUDA GPU"):
+        quantization(LoraConfig(load_in_8bit=True), dtype=torch.bfloat16, device=torch.device("cpu"))
+    cfg = load_config(DEMO, ["lora.load_in_4bit=true"])
+    with pytest.raises(ConfigError, match="a checkpoint is quantized as it loads"):
+        load_model(cfg)
+
+
+QLORA_READY = torch.cuda.is_available() and importlib.util.find_spec("bitsandbytes") is not None
+
+
+@pytest.mark.skipif(
+    not QLORA_READY,
+    reason="QLoRA needs a CUDA GPU and bitsandbytes (pip install 'longalign[qlora]'); bitsandbytes quantizes on CUDA only",
+)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_qlora_trains_adapters_on_a_quantized_base(tmp_path, bits):
+    """A saved tiny Llama loads quantized on the GPU; packed == each sample alone, to bf16 precision."""
+    shape = {"hidden_size": 64, "intermediate_size": 128, "head_dim": 16}  # bitsandbytes blocks of 64
+    tiny_model(**shape).save_pretrained(tmp_path / "base")
+    cfg = load_config(
+        None,
+        [f"model.model_name_or_path='{tmp_path / 'base'}'", "model.torch_dtype='bfloat16'",
+         "model.attn_backend='sdpa_segments'", f"lora.load_in_{bits}bit=true", "lora.r=4"],
+    )  # fmt: skip
+    device = torch.device("cuda", 0)
+    base = load_model(cfg, device)
+    layer = base.model.layers[0].self_attn.q_proj
+    assert type(layer).__name__ == ("Linear4bit" if bits == 4 else "Linear8bitLt")
+    assert type(base.lm_head) is torch.nn.Linear  # bitsandbytes leaves the head alone
+    model = randomize_adapters(add_adapters(base, cfg.lora, base_model=str(tmp_path / "base")).to(device))
+    items = samples()
+    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in packed_batch(items).items()}
+    packed = weighted_loss_sum(model, batch)
+    packed.backward()
+    got = trained_grads(model)
+    model.zero_grad()
+    total = torch.zeros((), device=device)
+    for ids, labels in items:
+        logits = model(input_ids=torch.tensor([ids], device=device), use_cache=False).logits[0].float()
+        target = torch.tensor(labels[1:], dtype=torch.long, device=device)
+        total = total + F.cross_entropy(logits[:-1], target, ignore_index=-100, reduction="sum")
+    total.backward()
+    want = trained_grads(model)
+    torch.testing.assert_close(packed, total, rtol=2e-2, atol=2e-2)
+    assert relative_difference(got, want) < 5e-2
+    assert "trainable of" in parameter_summary(model)
+
+
+# --- merging ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["llama", "glm4"])
+def test_merged_model_gives_the_adapted_model_logits(tmp_path, kind):
+    base = tiny_model(kind, backend="sdpa_segments")
+    base_dir = save_base(base, tmp_path / "run")
+    lora = LoraConfig(
+        r=4, target_modules=["q_proj", "down_proj", "lm_head"], trainable=["embeddings", "norms"]
+    )
+    model = randomize_adapters(add_adapters(base, lora, base_model=base_dir)).eval()
+    model.save_pretrained(tmp_path / "adapter")
+    saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert saved["base_model_name_or_path"] == base_dir == str((tmp_path / "run" / "base_model").resolve())
+
+    assert merge_adapter(tmp_path / "adapter", tmp_path / "merged") == tmp_path / "merged"
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    assert merged.config.use_cache and not any("lora" in name for name, _ in merged.named_parameters())
+    ids = torch.tensor([[5, 9, 17, 3, 40, 41, 2]])
+    with torch.no_grad():
+        expected = model(input_ids=ids, use_cache=False).logits
+        reloaded = PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(base_dir), tmp_path / "adapter"
+        )
+        torch.testing.assert_close(reloaded.eval()(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(merged(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
+        unchanged = AutoModelForCausalLM.from_pretrained(base_dir)(input_ids=ids).logits
+        assert (expected - unchanged).abs().max() > 1e-2  # the test can fail: the adapters change the logits
+
+    with pytest.raises(ValueError, match="no adapter_config.json"):
+        merge_adapter(tmp_path / "merged", tmp_path / "again")
+
+
+# --- a run: train, checkpoint, resume, merge -------------------------------------------------------------
+
+MAX_LEN = 1024
+ADAPTER_RUN = ["lora.r=8", "lora.alpha=16", "lora.trainable=['norms']", "training.learning_rate=1e-2"]
+
+
+def train(tokenized: Path, output_dir: Path, *overrides: str, status: int = 0) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable, str(ROOT / "train.py"), "--config", str(DEMO), *demo_overrides(output_dir, tokenized),
+        f"data.max_seq_len={MAX_LEN}", "training.logging_steps=1", "training.save_steps=2",
+        "training.eval_strategy='no'", "training.lr_scheduler_type='constant'", "training.disable_tqdm=true",
+        *ADAPTER_RUN, *overrides,
+    ]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == status, result.stderr[-4000:]
+    return result
+
+
+def step_losses(output_dir: Path) -> dict[int, float]:
+    state = json.loads((output_dir / "trainer_state.json").read_text())
+    return {entry["step"]: entry["loss"] for entry in state["log_history"] if "loss" in entry}
+
+
+@pytest.mark.integration
+def test_adapter_run_resumes_like_an_uninterrupted_one_and_merges(tokenized_sample, tmp_path):
+    straight = tmp_path / "straight"
+    result = train(tokenized_sample, straight, "training.max_steps=6")
+    expected = step_losses(straight)
+    assert sorted(expected) == [1, 2, 3, 4, 5, 6] and expected[6] < expected[1]
+    assert "parameters: " in result.stdout and "trainable of" in result.stdout
+    assert "(100.00%)" not in result.stdout
+
+    resumed = tmp_path / "resumed"
+    train(tokenized_sample, resumed, "training.max_steps=4")
+    train(tokenized_sample, resumed, "training.max_steps=6", "training.resume_from_checkpoint='last'")
+    got = step_losses(resumed)
+    for step in (5, 6):  # the adapters, optimizer and pack order all came back
+        assert got[step] == pytest.approx(expected[step], rel=1e-4)
+    checkpoint = resumed / "checkpoint-6"
+    assert (checkpoint / "adapter_model.safetensors").is_file() and not (
+        checkpoint / "model.safetensors"
+    ).exists()
+    record = json.loads((checkpoint / "longalign_checkpoint.json").read_text())
+    assert record["decides"]["lora.r"] == 8 and record["decides"]["lora.trainable"] == ["norms"]
+
+    # Other adapter settings, or none at all, would train something else from the checkpoint: refused.
+    result = train(tokenized_sample, resumed, "training.max_steps=8", "training.resume_from_checkpoint='last'",
+                   "lora.r=4", status=2)  # fmt: skip
+    assert "lora.r 8 -> 4" in result.stderr and "Traceback" not in result.stderr
+
+    merged = tmp_path / "merged"
+    assert main(["merge", "--adapter", str(straight), "--output", str(merged)]) == 0
+    base = AutoModelForCausalLM.from_pretrained(straight / "base_model")
+    ids = torch.tensor([[4088, 5, 6, 7, 300, 301]])
+    with torch.no_grad():
+        adapted_logits = PeftModel.from_pretrained(base, straight).eval()(input_ids=ids).logits
+        merged_logits = AutoModelForCausalLM.from_pretrained(merged).eval()(input_ids=ids).logits
+    torch.testing.assert_close(merged_logits, adapted_logits, rtol=1e-5, atol=1e-5)
+    assert (merged / "tokenizer_config.json").is_file()
