@@ -5,9 +5,10 @@
     accelerate launch -m longalign train --config run.toml [section.key=value ...]
     longalign probe --config run.toml --lengths 16k,32k,64k
     accelerate launch -m longalign preflight --config run.toml
+    longalign merge --adapter out/run --output out/merged
 
 ``scripts/pre_tokenize.py``, ``scripts/sort_and_group.py``, ``scripts/probe_memory.py``,
-``scripts/preflight.py`` and ``train.py`` run the same subcommands. Every command reports a bad argument,
+``scripts/preflight.py``, ``scripts/merge_adapter.py`` and ``train.py`` run the same subcommands. Every command reports a bad argument,
 config, input file or model in one line (``longalign train: error: ...``) and exits with status 2; the
 rest of what each prints is its result.
 """
@@ -364,7 +365,13 @@ def _probe_arguments(parser: argparse.ArgumentParser) -> None:
         "--seed", type=_at_least(0), default=0, help="seed of the synthetic sample lengths and tokens"
     )
     parser.add_argument("--trace", action="store_true", help="also print the failing step's traceback")
+    parser.add_argument(
+        "--compare-full",
+        action="store_true",
+        help="with [lora]: also run each length as full fine-tuning and show the memory the adapters save",
+    )
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)  # one length, in a fresh process
+    parser.add_argument("--full-finetune", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--packs", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
 
@@ -381,10 +388,11 @@ def _probe(args: argparse.Namespace) -> int:
         seed=args.seed,
         output=args.output,
         trace=args.trace,
+        compare_full=args.compare_full,
     )
     cfg = load_config(args.config, args.overrides)
     if args.worker is not None:
-        step_worker(request, args.worker, args.packs, args.result)
+        step_worker(request, args.worker, args.packs, args.result, full=args.full_finetune)
     return ladder(request, cfg, say=lambda line: print(line, flush=True))
 
 
@@ -416,6 +424,37 @@ def _preflight(args: argparse.Namespace) -> int:
     if int(os.environ.get("RANK", "0")) == 0:  # set by the launcher; one process otherwise
         print(report)
     return 0 if report.ok else 1
+
+
+# --- merge ------------------------------------------------------------------------------------------------
+
+
+def _merge_arguments(parser: argparse.ArgumentParser) -> None:
+    from longalign.config import TORCH_DTYPES
+
+    parser.add_argument(
+        "--adapter", required=True, help="a [lora] run's output_dir or one of its checkpoint-N directories"
+    )
+    parser.add_argument(
+        "--output", required=True, help="directory for the merged model (replaced atomically)"
+    )
+    parser.add_argument(
+        "--base", help="the base model (hub name or directory); default: the one adapter_config.json names"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=TORCH_DTYPES,
+        default="auto",
+        help="dtype of the merged model; auto: the base's own",
+    )
+
+
+def _merge(args: argparse.Namespace) -> int:
+    from longalign.lora import merge_adapter
+
+    merge_adapter(args.adapter, args.output, base_model=args.base, dtype=args.dtype)
+    print(f"wrote {args.output}: {args.adapter} merged into its base")
+    return 0
 
 
 COMMANDS = {
@@ -455,7 +494,8 @@ COMMANDS = {
         "optimizer steps (the second carries the optimizer states: the steady-state peak, and the step time\n"
         "shown). Peak memory is CUDA max_memory_allocated, or on CPU the peak resident set of that fresh\n"
         "process. The ladder stops at the first length that fails and says what would raise the limit. The\n"
-        "table and every rank's numbers, with the failure's traceback, go to --output.\n\n"
+        "table and every rank's numbers, with the failure's traceback, go to --output. For a [lora] run,\n"
+        "--compare-full runs each length that fits again as full fine-tuning and shows the memory saved.\n\n"
         "Exit status: 0 when at least the smallest length fits, 1 when none does, 2 for bad arguments.",
         _probe_arguments,
         _probe,
@@ -471,5 +511,17 @@ COMMANDS = {
         "Exit status: 0 when every rank agrees, 1 otherwise (naming the rank and the fix), 2 for bad input.",
         _preflight_arguments,
         _preflight,
+    ),
+    "merge": Command(
+        "fold a [lora] run's adapter into its base: a full model",
+        "Fold the LoRA adapter of a [lora] run into its base model and write a full model (with the\n"
+        "tokenizer) that AutoModelForCausalLM.from_pretrained loads.\n\n"
+        "    longalign merge --adapter out/run --output out/merged\n"
+        "    longalign merge --adapter out/run/checkpoint-200 --output out/merged-200 --dtype bfloat16\n\n"
+        "The base is the model the run started from, as adapter_config.json names it (a random init_from_config\n"
+        "base is saved by the run as <output_dir>/base_model); --base overrides it. A QLoRA adapter merges into\n"
+        "the unquantized base. Exit status: 0 written, 2 for bad input.",
+        _merge_arguments,
+        _merge,
     ),
 }

@@ -13,10 +13,10 @@ from test_packing import make_samples, save_samples
 
 from longalign.cli import COMMANDS, PLOT_NAME, main
 
-SUBCOMMANDS = ["pre-tokenize", "pack", "train", "probe", "preflight"]
+SUBCOMMANDS = ["pre-tokenize", "pack", "train", "probe", "preflight", "merge"]
 
 
-def test_help_lists_the_five_subcommands(capsys):
+def test_help_lists_the_subcommands(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--help"])
     assert exit_.value.code == 0
@@ -105,6 +105,14 @@ def test_pack_writes_plot_and_prints_summary(tmp_path, capsys):
             ],
             "/no/template.jinja: chat template file not found",
         ),  # fmt: skip
+        (
+            ["merge", "--adapter", "nowhere", "--output", "o"],
+            "longalign merge: error: nowhere: no adapter_config.json",
+        ),
+        (
+            ["train", "--config", str(DEMO), "lora.rank=8"],
+            "lora.rank: unknown key",
+        ),
     ],
 )
 def test_bad_input_is_one_line_naming_it(argv, message, capsys):
