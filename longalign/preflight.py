@@ -1,8 +1,9 @@
 """Preflight: every rank reports what it would train with, and the ranks must agree before the first step.
 
-Each rank collects a list of :class:`Check` values (library versions, the attention backend, fingerprints
-of the config, tokenizer and packed dataset, the environment variables the run depends on, a collective
-round trip, the host and device); rank 0 compares them and prints one table, one line per distinct value::
+Each rank collects a list of :class:`Check` values (library versions, the attention backend, what trains:
+every weight or LoRA adapters, fingerprints of the config, tokenizer and packed dataset, the environment
+variables the run depends on, a collective round trip, the host and device); rank 0 compares them and
+prints one table, one line per distinct value::
 
     check              status   ranks  value
     torch              ok       all    2.13.0+cpu
@@ -58,6 +59,10 @@ FLASH_PACKAGES = ("flash-attn", "flash-attn-4")
 FIX_VERSIONS = "install the same package versions on every node (compare `pip freeze` between nodes)"
 FIX_BACKEND = (
     "give every node the same GPU type and attention kernels (flash-attn), or pin model.attn_backend"
+)
+FIX_ADAPTERS = (
+    "install peft on every node (pip install 'longalign[lora]'), and for QLoRA bitsandbytes on a CUDA GPU "
+    "(pip install 'longalign[qlora]')"
 )
 FIX_CONFIG = "launch every rank with the same config file and the same overrides"
 FIX_TOKENIZER = "point every rank at the same tokenizer files (model.tokenizer)"
@@ -141,6 +146,37 @@ def backend_check(device: torch.device, dtype: torch.dtype, backend: str) -> Che
         lambda: Check(name, f"{resolve_backend(device, dtype, backend=backend)} ({where})", fix=FIX_BACKEND),
         FIX_BACKEND,
     )
+
+
+def adapter_check(cfg: Config, device: torch.device) -> Check:
+    """What trains: every weight, or ``[lora]``'s adapters with this rank's peft (and bitsandbytes) version.
+
+    QLoRA fails the check on a rank without CUDA or bitsandbytes, as loading the model would.
+    """
+    name = "adapters"
+    lora = cfg.lora
+    if lora is None:
+        return Check(name, "none (full fine-tuning)")
+
+    def check() -> Check:
+        peft = _version("peft")
+        if peft is None:
+            raise RuntimeError("peft is not installed")
+        if not (lora.load_in_4bit or lora.load_in_8bit):
+            return Check(name, f"LoRA r={lora.r}, peft {peft}", fix=FIX_ADAPTERS)
+        bits = 4 if lora.load_in_4bit else 8
+        if device.type != "cuda":
+            raise RuntimeError(
+                f"{bits}-bit QLoRA needs a CUDA GPU (bitsandbytes), this rank runs on {device}"
+            )
+        bitsandbytes = _version("bitsandbytes")
+        if bitsandbytes is None:
+            raise RuntimeError("bitsandbytes is not installed")
+        return Check(
+            name, f"QLoRA {bits}-bit r={lora.r}, peft {peft}, bitsandbytes {bitsandbytes}", fix=FIX_ADAPTERS
+        )
+
+    return attempt(name, check, FIX_ADAPTERS)
 
 
 def config_check(cfg: Config) -> Check:
@@ -276,6 +312,7 @@ def rank_checks(
     environ = os.environ if environ is None else environ
     checks = version_checks()
     checks.append(backend_check(device, dtype, cfg.model.attn_backend))
+    checks.append(adapter_check(cfg, device))
     checks.append(config_check(cfg))
     checks.append(attempt("tokenizer", lambda: tokenizer_check(load_tokenizer()), FIX_TOKENIZER))
     fix = FIX_DATASET.format(key="train_file")

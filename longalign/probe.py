@@ -8,10 +8,14 @@ exactly that many tokens, and stops at the first length that fails. The pieces::
     lengths "4k,8k,16k"  ->  [4096, 8192, 16384]
     steps per length     ->  {"peak_bytes": ..., "step_start_bytes": ..., "step_seconds": ...}
     first failure        ->  suggestions(cfg, ...)  ("turn on gradient checkpointing", ...)
+
+For a run with ``[lora]``, ``compare_full`` also runs every length that fits as full fine-tuning (the
+same run without ``[lora]``, in a fresh process of its own), and the table shows the memory saved.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -283,7 +287,7 @@ def combine_ranks(
     return entry
 
 
-def format_table(entries: list[dict[str, Any]], lengths: list[int]) -> str:
+def format_table(entries: list[dict[str, Any]], lengths: list[int], *, compare_full: bool = False) -> str:
     """The ladder as a table.
 
     One row per length; the lengths after the first failure are ``not run``::
@@ -292,21 +296,42 @@ def format_table(entries: list[dict[str, Any]], lengths: list[int]) -> str:
         4k        0.41   512.00 MiB  640.12 MiB  fits
         8k           -            -          -  out of memory
         16k                                     not run
+
+    With ``compare_full`` (a ``[lora]`` run), two more columns: the peak of full fine-tuning at that
+    length (or why it has none) and the share of it the adapters save::
+
+        length  step s  before step       peak    full FT peak  saved  status
+        4k        0.41   512.00 MiB  640.12 MiB      1.60 GiB    61%  fits
+        8k        0.83   512.00 MiB  880.40 MiB  out of memory      -  fits
     """
-    lines = [format_row(None)] + [format_row(entry) for entry in entries]
-    lines += [format_row(length) for length in lengths[len(entries) :]]
+    lines = [format_row(None, compare_full=compare_full)]
+    lines += [format_row(entry, compare_full=compare_full) for entry in entries]
+    lines += [format_row(length, compare_full=compare_full) for length in lengths[len(entries) :]]
     return "\n".join(lines)
 
 
-def format_row(entry: dict[str, Any] | int | None) -> str:
+def format_row(entry: dict[str, Any] | int | None, *, compare_full: bool = False) -> str:
     """One line of :func:`format_table`: a rung's entry, a length not run, or ``None`` for the header."""
     if entry is None:
-        return f"{'length':<7}{'step s':>7}{'before step':>14}{'peak':>14}  status"
+        full = f"{'full FT peak':>16}{'saved':>7}" if compare_full else ""
+        return f"{'length':<7}{'step s':>7}{'before step':>14}{'peak':>14}{full}  status"
     if isinstance(entry, int):
-        return f"{format_length(entry):<7}{'':<37}  not run"
+        return f"{format_length(entry):<7}{'':<{37 + 23 * compare_full}}  not run"
     seconds = "-" if entry["step_seconds"] is None else f"{entry['step_seconds']:.2f}"
     before, peak = format_bytes(entry["step_start_bytes"]), format_bytes(entry["peak_bytes"])
-    return f"{format_length(entry['length']):<7}{seconds:>7}{before:>14}{peak:>14}  {entry['status']}"
+    full = ""
+    if compare_full:
+        other = entry.get("full")
+        if other is None:
+            full_peak, saved = "not run", "-"
+        elif other["status"] != FITS:
+            full_peak, saved = other["status"], "-"
+        else:
+            full_peak, saved = format_bytes(other["peak_bytes"]), "-"
+            if entry["status"] == FITS and other["peak_bytes"]:
+                saved = f"{1 - entry['peak_bytes'] / other['peak_bytes']:.0%}"
+        full = f"{full_peak:>16}{saved:>7}"
+    return f"{format_length(entry['length']):<7}{seconds:>7}{before:>14}{peak:>14}{full}  {entry['status']}"
 
 
 def headline(entries: list[dict[str, Any]]) -> str:
@@ -323,6 +348,19 @@ def headline(entries: list[dict[str, Any]]) -> str:
     if entries and entries[-1]["status"] != FITS:
         last = entries[-1]
         text += f"\n{format_length(last['length'])} failed: {last['status']}: {last['error']}"
+    both = [e for e in fits if e.get("full") is not None and e["full"]["status"] == FITS]
+    if both:
+        best = both[-1]
+        text += (
+            f"\nfull fine-tuning at {format_length(best['length'])}: peak {format_bytes(best['full']['peak_bytes'])}; "
+            f"the adapters save {1 - best['peak_bytes'] / best['full']['peak_bytes']:.0%}"
+        )
+    failed = next((e for e in fits if e.get("full") is not None and e["full"]["status"] != FITS), None)
+    if failed is not None:
+        text += (
+            f"\nfull fine-tuning failed at {format_length(failed['length'])} ({failed['full']['status']}: "
+            f"{failed['full']['error']})"
+        )
     return text
 
 
@@ -368,6 +406,13 @@ def suggestions(
             "offload parameters (and optimizer states) to CPU memory: fsdp_offload_params: true in the FSDP "
             "config, or offload_optimizer / offload_param in the DeepSpeed one; slower steps, far less GPU memory"
         )
+    if cfg.lora is None:
+        out.append(
+            "train LoRA adapters instead of every weight (a [lora] section, e.g. lora.r=16): no gradients or "
+            "optimizer states for the frozen base; probe --compare-full shows what that saves"
+        )
+    elif device_type == "cuda" and not (cfg.lora.load_in_4bit or cfg.lora.load_in_8bit):
+        out.append("QLoRA (lora.load_in_4bit=true): the frozen base in 4 bits, a quarter of its bf16 memory")
     chunk = cfg.loss.chunk_size
     if chunk > 1024:
         buffer = f", {chunk * vocab_size * 4 / 2**20:.0f} MiB here" if vocab_size else ""
@@ -433,6 +478,7 @@ class ProbeRequest:
     seed: int
     output: Path
     trace: bool
+    compare_full: bool = False  # also run each length that fits without [lora]
 
 
 def ladder(request: ProbeRequest, cfg: Config, say: Callable[[str], None]) -> int:
@@ -440,6 +486,8 @@ def ladder(request: ProbeRequest, cfg: Config, say: Callable[[str], None]) -> in
 
     0 when at least the smallest length fits (the table is the answer), 1 when none does.
     """
+    if request.compare_full and cfg.lora is None:
+        raise ValueError("--compare-full: the run has no [lora] section, it is full fine-tuning already")
     datasets.disable_progress_bars()
     ranks = Ranks(say)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a launcher stopping us: end the step too
@@ -452,7 +500,9 @@ def ladder(request: ProbeRequest, cfg: Config, say: Callable[[str], None]) -> in
     ranks.say(
         f"probe of {request.config}: {ranks.world} rank(s), {per_rank} pack(s) of each length per {holder} and step"
     )
-    ranks.say(format_row(None))
+    compare = request.compare_full
+    ranks.say(format_row(None, compare_full=compare))
+    full_fits = compare  # full fine-tuning is run until its first failure
     # The steps' files live next to the report: a killed probe's are removed by the next one there.
     with staging_dir(request.output.resolve().parent, request.output.name) as tmp:
         for length in request.lengths:
@@ -462,12 +512,16 @@ def ladder(request: ProbeRequest, cfg: Config, say: Callable[[str], None]) -> in
             result = _run_length(request, length, work, ranks)
             entry = combine_ranks(length, ranks.gather(result), max_memory=request.max_memory)
             entry.update(samples_per_pack=len(pack["seq_lens"]), packs_per_rank=per_rank)
+            if full_fits and entry["status"] == FITS:
+                result = _run_length(request, length, work, ranks, full=True)
+                entry["full"] = combine_ranks(length, ranks.gather(result), max_memory=request.max_memory)
+                full_fits = entry["full"]["status"] == FITS
             entries.append(entry)
-            ranks.say(format_row(entry))
+            ranks.say(format_row(entry, compare_full=compare))
             if entry["status"] != FITS:
                 break
     for length in request.lengths[len(entries) :]:
-        ranks.say(format_row(length))
+        ranks.say(format_row(length, compare_full=compare))
     if ranks.rank == 0:
         _report(request, cfg, entries, ranks.world, vocab_size=vocab_size, say=say)
     return 0 if entries[0]["status"] == FITS else 1
@@ -508,7 +562,8 @@ def _report(
         "max_memory": request.max_memory,
         "largest_fitting_length": max((e["length"] for e in entries if e["status"] == FITS), default=None),
         "suggestions": advice,
-        "table": format_table(entries, request.lengths),
+        "compare_full": request.compare_full,
+        "table": format_table(entries, request.lengths, compare_full=request.compare_full),
         "results": entries,
     }
     request.output.parent.mkdir(parents=True, exist_ok=True)
@@ -516,18 +571,23 @@ def _report(
     say(f"wrote {request.output}")
 
 
-def _run_length(request: ProbeRequest, length: int, work: Path, ranks: Ranks) -> dict[str, Any]:
-    """This rank's step at ``length`` in a fresh process; its result, or why it has none."""
-    result_path, log_path = work / "result.json", work / "worker.log"
+def _run_length(
+    request: ProbeRequest, length: int, work: Path, ranks: Ranks, *, full: bool = False
+) -> dict[str, Any]:
+    """This rank's step at ``length`` in a fresh process (``full``: without ``[lora]``); its result, or why
+    it has none."""
+    variant = "-full" if full else ""
+    result_path, log_path = work / f"result{variant}.json", work / f"worker{variant}.log"
     command = [
         sys.executable, "-m", "longalign", "probe", "--config", str(request.config),
         "--worker", str(length), "--packs", str(work / "packs"), "--result", str(result_path),
-        *(["--max-memory", str(request.max_memory)] if request.max_memory else []), *request.overrides,
+        *(["--max-memory", str(request.max_memory)] if request.max_memory else []),
+        *(["--full-finetune"] if full else []), *request.overrides,
     ]  # fmt: skip
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=ranks.worker_env())
         try:
-            stopped = ranks.wait(process, length)
+            stopped = ranks.wait(process, f"{length}{variant}")
         finally:
             if process.poll() is None:
                 process.kill()
@@ -547,12 +607,17 @@ def _run_length(request: ProbeRequest, length: int, work: Path, ranks: Ranks) ->
             "traceback": log_path.read_text(errors="replace")[-4000:],
         }
     if result["status"] not in (FITS, STOPPED):
-        ranks.flag_failure(length)
+        ranks.flag_failure(f"{length}{variant}")
     return {"rank": ranks.rank, **result}
 
 
-def step_worker(request: ProbeRequest, length: int, packs: Path, result_path: Path) -> NoReturn:
-    """The steps at ``length`` tokens per pack, in the fresh process; writes the result and leaves at once."""
+def step_worker(
+    request: ProbeRequest, length: int, packs: Path, result_path: Path, *, full: bool = False
+) -> NoReturn:
+    """The steps at ``length`` tokens per pack, in the fresh process; writes the result and leaves at once.
+
+    ``full`` runs the config without its ``[lora]`` section: full fine-tuning of the same model.
+    """
     result: dict[str, Any] = {}
     try:
         if request.max_memory is not None and torch.cuda.is_available():
@@ -560,7 +625,8 @@ def step_worker(request: ProbeRequest, length: int, packs: Path, result_path: Pa
             total = torch.cuda.get_device_properties(device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, request.max_memory / total), device)
         overrides = probe_overrides(length, train_file=packs, output_dir=packs.parent / "run")
-        trainer = build_trainer(load_config(request.config, [*request.overrides, *overrides]))
+        cfg = load_config(request.config, [*request.overrides, *overrides])
+        trainer = build_trainer(dataclasses.replace(cfg, lora=None) if full else cfg)
         result = {"status": FITS, **measure_steps(trainer)}
     except Exception as err:  # any failure is the answer for this length, reported in one line
         first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
@@ -614,17 +680,17 @@ class Ranks:
             env.update(MASTER_PORT=str(port[0]), TORCHELASTIC_USE_AGENT_STORE="False")
         return env
 
-    def wait(self, process: subprocess.Popen, length: int) -> bool:
-        """Wait for the step to end; ``True`` when it was ended because another rank failed."""
+    def wait(self, process: subprocess.Popen, step: str) -> bool:
+        """Wait for the step to end; ``True`` when it was ended because another rank failed it."""
         while process.poll() is None:
-            if self.store is not None and self.store.check([f"failed/{length}"]):
+            if self.store is not None and self.store.check([f"failed/{step}"]):
                 return True
             time.sleep(0.2)
         return False
 
-    def flag_failure(self, length: int) -> None:
+    def flag_failure(self, step: str) -> None:
         if self.store is not None:
-            self.store.set(f"failed/{length}", str(self.rank))
+            self.store.set(f"failed/{step}", str(self.rank))
 
     def gather(self, result: dict[str, Any]) -> list[dict[str, Any]]:
         if self.world == 1:

@@ -10,11 +10,13 @@ from pathlib import Path
 
 import datasets
 import pytest
+import torch
 from conftest import DEMO, ROOT, count_packs, demo_overrides, launch, needs_launcher, save_packs
 
 from longalign.config import load_config
 from longalign.preflight import (
     Check,
+    adapter_check,
     compare,
     config_check,
     env_checks,
@@ -167,6 +169,16 @@ def test_sequence_parallel_rows_deal_packs_as_the_trainer_does(tmp_path):
 def test_preflight_setting():
     assert preflight_enabled(None, 2) and not preflight_enabled(None, 1)
     assert preflight_enabled(True, 1) and not preflight_enabled(False, 8)
+
+
+def test_adapter_row_says_what_trains_and_refuses_qlora_off_cuda():
+    cpu = torch.device("cpu")
+    assert adapter_check(load_config(DEMO), cpu).value == "none (full fine-tuning)"
+    lora = adapter_check(load_config(DEMO, ["lora.r=8"]), cpu)
+    assert lora.error is None and lora.value.startswith("LoRA r=8, peft ")
+    qlora = adapter_check(load_config(DEMO, ["lora.load_in_4bit=true"]), cpu)
+    assert qlora.error == "RuntimeError: 4-bit QLoRA needs a CUDA GPU (bitsandbytes), this rank runs on cpu"
+    assert "longalign[qlora]" in qlora.fix
 
 
 # --- real launches ---------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from longalign.probe import (
     STOPPED,
     combine_ranks,
     format_table,
+    headline,
     parse_length,
     parse_lengths,
     parse_size,
@@ -112,6 +113,33 @@ def test_table_marks_the_lengths_after_a_failure_not_run():
     assert lines[3].startswith("16k") and lines[3].endswith("not run")
 
 
+def test_table_compares_with_full_fine_tuning():
+    adapters = combine_ranks(4096, [rank(0, peak=400)])
+    adapters["full"] = combine_ranks(4096, [rank(0, peak=1000)])
+    longer = combine_ranks(8192, [rank(0, peak=700)])
+    longer["full"] = combine_ranks(8192, [rank(0, OUT_OF_MEMORY, peak=None, error="CUDA out of memory")])
+    lines = format_table([adapters, longer], [4096, 8192, 16384], compare_full=True).splitlines()
+    assert lines[0].split() == [
+        "length",
+        "step",
+        "s",
+        "before",
+        "step",
+        "peak",
+        "full",
+        "FT",
+        "peak",
+        "saved",
+        "status",
+    ]
+    assert lines[1].split()[-4:] == ["1000", "B", "60%", "fits"]
+    assert lines[2].split()[-5:] == ["out", "of", "memory", "-", "fits"]  # LoRA fits where full does not
+    assert lines[3].startswith("16k") and lines[3].endswith("not run")
+    text = headline([adapters, longer])
+    assert "full fine-tuning at 4k: peak 1000 B; the adapters save 60%" in text
+    assert "full fine-tuning failed at 8k (out of memory: CUDA out of memory)" in text
+
+
 def test_suggestions_follow_the_config(tmp_path):
     plain = load_config(DEMO)
     advice = suggestions(plain, device_type="cuda", vocab_size=4096, environ={})
@@ -132,8 +160,9 @@ def test_suggestions_follow_the_config(tmp_path):
         ],
     )
     advice = suggestions(tuned, device_type="cuda", vocab_size=4096, environ={})
-    assert advice[1:] == ["DeepSpeed ZeRO stage 3 (now 2) also shards the parameters"]
     assert advice[0].startswith("split each pack over more ranks (training.sequence_parallel_size=2, now 1")
+    assert advice[1] == "DeepSpeed ZeRO stage 3 (now 2) also shards the parameters"
+    assert len(advice) == 3 and "train LoRA adapters" in advice[2]
     split = suggestions(
         load_config(DEMO, ["training.sequence_parallel_size=2"]),
         device_type="cuda",
@@ -141,6 +170,10 @@ def test_suggestions_follow_the_config(tmp_path):
         environ={},
     )
     assert any("training.sequence_parallel_size=4, now 2" in line for line in split)
+    adapters = load_config(DEMO, ["lora.r=8"])
+    advice = suggestions(adapters, device_type="cuda", vocab_size=4096, environ={})
+    assert not any("train LoRA" in line for line in advice)
+    assert any("QLoRA (lora.load_in_4bit=true)" in line for line in advice)
     fsdp_env = {"ACCELERATE_USE_FSDP": "true", "FSDP_OFFLOAD_PARAMS": "false"}
     advice = suggestions(
         load_config(DEMO, ["training.activation_checkpointing=true"]),
@@ -209,3 +242,24 @@ def test_an_error_stops_the_ladder_in_one_line_with_the_trace_kept(tmp_path):
     failed = report["results"][0]
     assert failed["status"] == ERROR and "Traceback" in failed["ranks"][0]["traceback"]
     assert report["largest_fitting_length"] is None and len(report["results"]) == 1
+
+
+@pytest.mark.integration
+def test_compare_full_shows_what_adapters_save(tmp_path):
+    # Big enough that weights, gradients and optimizer states stand out of the process's own memory.
+    model = (
+        "model.init_from_config={model_type='llama', vocab_size=4096, hidden_size=512, intermediate_size=1536, "
+        "num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=false}"
+    )
+    result, report = probe(tmp_path, "lora", "--lengths", "1k", "--compare-full", "lora.r=8", model)
+    assert result.returncode == 0, result.stdout + result.stderr
+    entry = report["results"][0]
+    assert entry["status"] == entry["full"]["status"] == FITS
+    assert entry["full"]["peak_bytes"] > entry["peak_bytes"] > 0  # each in a fresh process of its own
+    assert "full FT peak" in result.stdout and "the adapters save" in result.stdout
+    assert report["compare_full"] and "saved" in report["table"]
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "probe_memory.py"), "--config", str(DEMO), "--compare-full"],
+        capture_output=True, text=True, cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 2 and "--compare-full: the run has no [lora] section" in result.stderr
