@@ -58,10 +58,11 @@ BASE_MODEL_DIR = "base_model"  # in output_dir: a random init_from_config base, 
 
 def target_modules(model: nn.Module, names: list[str] | None) -> list[str] | str:
     """The layers that get adapters: ``names`` (each must end the name of a linear layer), or by default
-    every attention and MLP projection of the model's family (``"all-linear"`` for other decoders).
+    every attention and MLP projection of the model's family (``"all-linear"`` for other decoders)::
 
-    >>> target_modules(tiny_llama, None)
-    ['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj']
+        target_modules(llama, None)     ->  ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        target_modules(mistral, None)   ->  "all-linear"
+        target_modules(llama, ["qproj"])    ConfigError: 'qproj' names no linear layer ... (its linear layers: ...)
     """
     if names is None:
         family = check_model(model)
@@ -127,7 +128,9 @@ def peft_config(model: nn.Module, settings: LoraConfig) -> peft.LoraConfig:
             raise ConfigError(
                 f"lora.trainable: {name} also gets an adapter (lora.target_modules); train it one way"
             )
-    tied = model.config.get_text_config().tie_word_embeddings
+    module_names = {module: name for name, module in model.named_modules()}
+    embeddings = {module_names[model.get_input_embeddings()], module_names[output_layer]}
+    tied = model.config.get_text_config().tie_word_embeddings and bool(embeddings & set(trainable))
     return peft.LoraConfig(
         task_type="CAUSAL_LM",
         r=settings.r,
@@ -136,7 +139,7 @@ def peft_config(model: nn.Module, settings: LoraConfig) -> peft.LoraConfig:
         target_modules=targets,
         modules_to_save=trainable or None,
         # A trained copy of one of two tied matrices must stay tied to the other (input and output).
-        ensure_weight_tying=bool(tied and trainable),
+        ensure_weight_tying=tied,
     )
 
 
@@ -269,9 +272,9 @@ def merge_adapter(
         )
     base = base_model or peft.PeftConfig.from_pretrained(str(adapter_dir)).base_model_name_or_path
     if not base:
-        raise ValueError(f"{adapter_dir}: its adapter_config.json names no base model; pass the base")
+        raise ValueError(f"{adapter_dir}: its adapter_config.json names no base model; pass --base")
     if Path(base).is_absolute() and not Path(base).is_dir():
-        raise ValueError(f"{adapter_dir}: its base model {base} is not there (moved?); pass the base")
+        raise ValueError(f"{adapter_dir}: its base model {base} is not there (moved?); pass --base")
     with stage_output(output_dir, stage="merge", inputs=[adapter_dir]) as staging:
         model = AutoModelForCausalLM.from_pretrained(
             base, dtype=dtype if dtype == "auto" else getattr(torch, dtype)

@@ -52,8 +52,6 @@ from longalign.sources import Source, fingerprint, kind
 from longalign.tokenize import open_tokenizer, pre_tokenize
 from longalign.trainer import CHECKPOINT_RECORD, LongAlignTrainer
 
-LORA_KEYS = [field.name for field in dataclasses.fields(LoraConfig)]
-
 
 def training_arguments(cfg: Config) -> TrainingArguments:
     """The run's ``TrainingArguments``, built here and nowhere else; a value they refuse names its key."""
@@ -348,7 +346,10 @@ def adapter_record(cfg: Config) -> dict[str, Any]:
     A resume loads only the adapters from the checkpoint and rebuilds the frozen base from the config,
     so the base and every adapter setting must match, as the data must.
     """
-    settings = dataclasses.asdict(cfg.lora) if cfg.lora is not None else dict.fromkeys(LORA_KEYS)
+    if cfg.lora is not None:
+        settings = dataclasses.asdict(cfg.lora)
+    else:
+        settings = dict.fromkeys(field.name for field in dataclasses.fields(LoraConfig))
     record = {f"lora.{key}": value for key, value in settings.items()}
     base = cfg.model.model_name_or_path or json.dumps(cfg.model.init_from_config, sort_keys=True)
     record["lora.base_model"] = base if cfg.lora is not None else None

@@ -2,9 +2,9 @@
 
 Imported by tests/test_invariance.py, and run under ``accelerate launch`` for the multi-rank case:
 
-    accelerate launch --multi_gpu --num_processes 2 tests/invariance_run.py OUT.pt WEIGHTING SAMPLES_PER_PACK GA [lora]
+    accelerate launch --multi_gpu --num_processes 2 tests/invariance_run.py OUT.pt WEIGHTING SAMPLES_PER_PACK GA [FAMILY]
 
-With ``lora`` the model trains LoRA adapters (:data:`ADAPTERS`) instead of every weight.
+With a model family (``llama``, ``glm4``) the model trains LoRA adapters (:data:`ADAPTERS`) instead of every weight.
 """
 
 from __future__ import annotations
@@ -70,11 +70,11 @@ class StockCollator:
         return batch
 
 
-def adapted_model() -> torch.nn.Module:
+def adapted_model(kind: str) -> torch.nn.Module:
     """The tiny model with :data:`ADAPTERS`, their B matrices random: at peft's zero, A's gradient is zero."""
     from longalign.lora import add_adapters
 
-    model = add_adapters(tiny_model(backend="sdpa_segments"), ADAPTERS, base_model="tiny")
+    model = add_adapters(tiny_model(kind, backend="sdpa_segments"), ADAPTERS, base_model="tiny")
     generator = torch.Generator().manual_seed(2)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -84,10 +84,15 @@ def adapted_model() -> torch.nn.Module:
 
 
 def one_step(
-    weighting: str, samples_per_pack: int, accumulation: int, *, stock: bool = False, lora: bool = False
+    weighting: str,
+    samples_per_pack: int,
+    accumulation: int,
+    *,
+    stock: bool = False,
+    lora: str | None = None,
 ) -> dict:
     """Gradients of the trained parameters in one optimizer step over all SAMPLES (split as asked across
-    ranks); ``lora`` trains :data:`ADAPTERS`."""
+    ranks); ``lora`` (a model family, e.g. "glm4") trains :data:`ADAPTERS` on that family's tiny model."""
     capture = GradientCapture()
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(
@@ -104,7 +109,7 @@ def one_step(
             disable_tqdm=True,
         )
         common = {
-            "model": adapted_model() if lora else tiny_model(backend="sdpa_segments"),
+            "model": adapted_model(lora) if lora else tiny_model(backend="sdpa_segments"),
             "args": args,
             "train_dataset": packs(samples_per_pack),
             "callbacks": [capture],
@@ -119,7 +124,7 @@ def one_step(
 
 if __name__ == "__main__":
     path, weighting, per_pack, accumulation = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    grads = one_step(weighting, per_pack, accumulation, lora=sys.argv[5:] == ["lora"])
+    grads = one_step(weighting, per_pack, accumulation, lora=sys.argv[5] if len(sys.argv) > 5 else None)
     if int(torch.distributed.get_rank()) == 0:
         torch.save(grads, path)
     close()

@@ -53,14 +53,19 @@ def test_two_ranks_times_accumulation_two(weighting, reference, tmp_path):
     assert_same(torch.load(out), reference)
 
 
+@pytest.fixture(scope="module", params=["llama", "glm4"])
+def family(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def adapter_reference():
-    return one_step("sequence_level", samples_per_pack=1, accumulation=N, lora=True)
+def adapter_reference(family):
+    return one_step("sequence_level", samples_per_pack=1, accumulation=N, lora=family)
 
 
 @pytest.mark.parametrize("per_pack, accumulation", [(N, 1), (N // 4, 4)], ids=["one_pack", "accumulation"])
-def test_adapter_gradients_do_not_depend_on_the_split(adapter_reference, per_pack, accumulation):
-    got = one_step("sequence_level", samples_per_pack=per_pack, accumulation=accumulation, lora=True)
+def test_adapter_gradients_do_not_depend_on_the_split(family, adapter_reference, per_pack, accumulation):
+    got = one_step("sequence_level", samples_per_pack=per_pack, accumulation=accumulation, lora=family)
     assert any("lora_A" in name for name in got) and any("lm_head.lora_B" in name for name in got)
     assert all("lora" in name or "norm" in name for name in got)  # the base is frozen
     assert_same(got, adapter_reference)
@@ -68,10 +73,10 @@ def test_adapter_gradients_do_not_depend_on_the_split(adapter_reference, per_pac
 
 @pytest.mark.integration
 @needs_launcher
-def test_adapters_on_two_ranks_times_accumulation_two(adapter_reference, tmp_path):
+def test_adapters_on_two_ranks_times_accumulation_two(family, adapter_reference, tmp_path):
     out = tmp_path / "grads.pt"
     result = launch(
-        HERE / "invariance_run.py", str(out), "sequence_level", str(N // 4), "2", "lora",
+        HERE / "invariance_run.py", str(out), "sequence_level", str(N // 4), "2", family,
         env={"PYTHONPATH": str(HERE)},
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
