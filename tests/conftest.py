@@ -132,6 +132,26 @@ def demo_overrides(output_dir: Path, train_file: Path | str) -> list[str]:
     ]
 
 
+def train_demo(
+    tokenized: Path, output_dir: Path, *overrides: str, status: int = 0, max_seq_len: int = 1024
+) -> subprocess.CompletedProcess:
+    """``python train.py`` with the demo config on ``tokenized`` data, logging and saving every few steps."""
+    cmd = [
+        sys.executable, str(ROOT / "train.py"), "--config", str(DEMO), *demo_overrides(output_dir, tokenized),
+        f"data.max_seq_len={max_seq_len}", "training.logging_steps=1", "training.save_steps=2",
+        "training.eval_strategy='no'", "training.disable_tqdm=true", *overrides,
+    ]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == status, result.stderr[-4000:]
+    return result
+
+
+def step_losses(output_dir: Path) -> dict[int, float]:
+    """The logged training loss of every step of the run in ``output_dir``."""
+    state = json.loads((output_dir / "trainer_state.json").read_text())
+    return {entry["step"]: entry["loss"] for entry in state["log_history"] if "loss" in entry}
+
+
 @pytest.fixture(scope="session")
 def sample_tokenizer():
     """The shipped 4096-entry tokenizer with its Llama-3-style template."""

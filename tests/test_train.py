@@ -3,55 +3,29 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import tomllib
 import torch
-from conftest import DEMO, ROOT, SAMPLE, TOKENIZER, demo_overrides, launch
+from conftest import DEMO, ROOT, SAMPLE, TOKENIZER, launch, step_losses, train_demo
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-MAX_LEN = 1024
 pytestmark = pytest.mark.integration
-
-
-def train(tokenized: Path, output_dir: Path, *overrides: str, status: int = 0) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        str(ROOT / "train.py"),
-        "--config",
-        str(DEMO),
-        *demo_overrides(output_dir, tokenized),
-        f"data.max_seq_len={MAX_LEN}",
-        "training.logging_steps=1",
-        "training.save_steps=2",
-        "training.eval_strategy='no'",
-        *overrides,
-    ]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert result.returncode == status, result.stderr[-4000:]
-    return result
-
-
-def step_losses(output_dir: Path) -> dict[int, float]:
-    state = json.loads((output_dir / "trainer_state.json").read_text())
-    return {entry["step"]: entry["loss"] for entry in state["log_history"] if "loss" in entry}
 
 
 def test_train_save_resume_reload(tokenized_sample, tmp_path):
     tokenized = tokenized_sample
     constant = "training.lr_scheduler_type='constant'"  # the same schedule whether a run stops at 4 or 6
     straight = tmp_path / "straight"
-    train(tokenized, straight, "training.max_steps=6", constant, f"data.eval_file={tokenized}")
+    train_demo(tokenized, straight, "training.max_steps=6", constant, f"data.eval_file={tokenized}")
     expected = step_losses(straight)
     assert sorted(expected) == [1, 2, 3, 4, 5, 6]
 
     # Stop after 4 steps (checkpoints at 2 and 4), then resume from the last checkpoint up to 6.
     resumed = tmp_path / "resumed"
-    train(tokenized, resumed, "training.max_steps=4", constant)
-    train(tokenized, resumed, "training.max_steps=6", constant, "training.resume_from_checkpoint='last'")
+    train_demo(tokenized, resumed, "training.max_steps=4", constant)
+    train_demo(tokenized, resumed, "training.max_steps=6", constant, "training.resume_from_checkpoint='last'")
     got = step_losses(resumed)
     assert sorted(got) == [1, 2, 3, 4, 5, 6]
     for step in (5, 6):  # the same packs in the same order after the resume, so the same losses
@@ -61,19 +35,19 @@ def test_train_save_resume_reload(tokenized_sample, tmp_path):
 
     # A save cut short (no record) is not resumed from: the newest complete checkpoint is.
     (resumed / "checkpoint-6" / "longalign_checkpoint.json").unlink()
-    result = train(
+    result = train_demo(
         tokenized, resumed, "training.max_steps=7", constant, "training.resume_from_checkpoint='last'"
     )
     assert step_losses(resumed)[5] == pytest.approx(expected[5], rel=1e-4)  # steps 5 and 6 again, from 4
     # Another weighting would change the loss of the resumed steps: refused in one line, naming it.
-    result = train(
+    result = train_demo(
         tokenized, resumed, "training.max_steps=8", "training.resume_from_checkpoint='last'",
         "loss.weighting='token_level'", status=2,
     )  # fmt: skip
     assert "loss.weighting 'sequence_level' -> 'token_level'" in result.stderr
     assert "Traceback" not in result.stderr
     # A fresh run would rotate the earlier run's checkpoints away: refused.
-    result = train(tokenized, resumed, "training.max_steps=2", status=2)
+    result = train_demo(tokenized, resumed, "training.max_steps=2", status=2)
     assert "holds checkpoints of an earlier run" in result.stderr
 
     log = json.loads((straight / "trainer_state.json").read_text())["log_history"]
