@@ -279,7 +279,9 @@ def _pack_summary(report: dict, output: str) -> str:
         )
     lines = [
         f"strategy       {report['strategy']}  max_seq_len {report['max_seq_len']}  seed {report['seed']}",
-        f"samples        {report['samples']:,} packed of {report['samples_in']:,}  (left out: {dropped or 'none'})",
+        f"samples        {report['samples']:,} packed of {report['samples_in']:,}  (left out: {dropped or 'none'}"
+        + (f"; the mix took {sum(s['taken'] for s in report['mix']):,}" if "mix" in report else "")
+        + ")",
         f"tokens         {report['tokens']:,}",
         f"rows           {report['packs']:,}" + bound,
         f"efficiency     {report['efficiency']:.4%}",

@@ -8,7 +8,8 @@ each one starts. Samples of 3, 2 and 4 tokens (source lines 12, 7, 40) in one pa
     cu_seqlens   [0, 3, 5, 9]           int32; no fake sample for the free slot
     seq_lens     [3, 2, 4]
     num_targets  [2, 1, 3]
-    lines        [12, 7, 40]            where each sample came from in the JSONL
+    lines        [12, 7, 40]            where each sample came from: its line (or row) in its input
+    sources      [0, 0, 1]              which input: an index into the pre-tokenize report's "sources"
 
 ``pack`` decides which samples share a row from their lengths alone; ``build_pack_table`` gathers the
 tokens with Arrow; ``write_packs`` is the stage: load, pack, write atomically, report.
@@ -44,6 +45,7 @@ PACK_SCHEMA = pa.schema(
         ("seq_lens", pa.list_(pa.int32())),
         ("num_targets", pa.list_(pa.int32())),
         ("lines", pa.list_(pa.int64())),
+        ("sources", pa.list_(pa.int32())),
     ]
 )
 # Pack rows are gathered and written this many tokens at a time, so memory stays far below the dataset.
@@ -285,9 +287,13 @@ def build_pack_table(samples: pa.Table, rows: np.ndarray, samples_per_pack: np.n
 
         rows [4, 0, 7], samples_per_pack [2, 1]  ->  pack 0 = rows 4 and 0, pack 1 = row 7
 
-    ``samples`` has the pre-tokenize columns ``input_ids``, ``labels``, ``num_targets`` and ``line``.
+    ``samples`` has the pre-tokenize columns ``input_ids``, ``labels``, ``num_targets``, ``line`` and
+    ``source`` (datasets written before sources were recorded lack it: their samples are all input 0).
     """
-    taken = _take_rows(samples.select(["input_ids", "labels", "num_targets", "line"]), rows).combine_chunks()
+    if "source" not in samples.column_names:
+        samples = samples.append_column("source", pa.array(np.zeros(samples.num_rows, np.int32)))
+    columns = ["input_ids", "labels", "num_targets", "line", "source"]
+    taken = _take_rows(samples.select(columns), rows).combine_chunks()
     input_ids, labels = taken["input_ids"].chunk(0), taken["labels"].chunk(0)
     seq_lens = pc.list_value_length(input_ids).to_numpy().astype(np.int64)
     mismatch = np.flatnonzero(pc.list_value_length(labels).to_numpy() != seq_lens)
@@ -317,6 +323,7 @@ def build_pack_table(samples: pa.Table, rows: np.ndarray, samples_per_pack: np.n
             lists(sample_offsets, pa.array(seq_lens, pa.int32())),
             lists(sample_offsets, taken["num_targets"].chunk(0)),
             lists(sample_offsets, taken["line"].chunk(0)),
+            lists(sample_offsets, taken["source"].chunk(0)),
         ],
         schema=PACK_SCHEMA,
     )

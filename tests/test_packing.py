@@ -280,6 +280,7 @@ def test_build_pack_table_draws_cu_seqlens_per_pack():
     assert table["cu_seqlens"].to_pylist() == [[0, 4, 7], [0, 2]]
     assert table["seq_lens"].to_pylist() == [[4, 3], [2]]
     assert table["lines"].to_pylist() == [[7, 1], [4]]
+    assert table["sources"].to_pylist() == [[0, 0], [0]]
     assert table["input_ids"].to_pylist()[1] == columns["input_ids"][1]
 
 

@@ -335,22 +335,19 @@ def test_a_mix_takes_what_each_source_says_and_accounts_for_both(tmp_path, chats
     taken = {}
     for seed in (1, 2):
         cfg = raw_config(tmp_path, sources, f"packing.seed={seed}")
-        report = read_report(prepare("train", cfg, training_arguments(cfg)))
+        packed = prepare("train", cfg, training_arguments(cfg))
+        report = read_report(packed)
         long_mix, short_mix = report["mix"]
-        assert (long_mix["available"], long_mix["taken"], long_mix["rule"]) == (
-            long_mix["available"],
-            long_mix["available"],
-            "all",
-        )
+        assert long_mix["taken"] == long_mix["available"] and long_mix["rule"] == "all"
         assert short_mix["taken"] == round(short_mix["available"] / 2) and short_mix["rule"] == "fraction 0.5"
         tokenized = read_report(Path(report["input"]))
         assert [s["lines_read"] for s in tokenized["sources"]] == [40, 30]
-        lines = sorted(
-            line
-            for row in load_stage(prepare("train", cfg, training_arguments(cfg)))
-            for line in row["lines"]
-        )
-        taken[seed] = lines
+        by_source = {0: [], 1: []}
+        for row in load_stage(packed):
+            for line, source in zip(row["lines"], row["sources"], strict=True):
+                by_source[source].append(line)
+        assert len(by_source[0]) == long_mix["taken"] and len(by_source[1]) == short_mix["taken"]
+        taken[seed] = sorted(by_source[1])
     assert taken[1] != taken[2]  # another seed, other short samples; the same counts
 
 
