@@ -461,8 +461,9 @@ def _merge(args: argparse.Namespace) -> int:
 
 COMMANDS = {
     "pre-tokenize": Command(
-        "chat JSONL -> tokenized samples with assistant-only labels",
-        "Chat JSONL -> tokenized sample dataset (Arrow) with assistant-only labels, plus report.json.\n\n"
+        "chat data -> tokenized samples with assistant-only labels",
+        "Chat data (JSONL, JSON, Parquet, directories, saved or Hub datasets) -> tokenized sample dataset\n"
+        "(Arrow) with assistant-only labels, plus report.json accounting for every input.\n\n"
         "    longalign pre-tokenize --input data/sample.jsonl --tokenizer data/tokenizer \\\n"
         "        --output out/tokenized --max-seq-len 8192",
         _pre_tokenize_arguments,

@@ -1,4 +1,4 @@
-"""Chat JSONL -> tokenized sample dataset with assistant-only labels: ``longalign pre-tokenize``.
+"""Chat data -> tokenized sample dataset with assistant-only labels: ``longalign pre-tokenize``.
 
     python scripts/pre_tokenize.py --input data/sample.jsonl --tokenizer data/tokenizer \
         --output out/tokenized --max-seq-len 8192
