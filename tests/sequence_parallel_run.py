@@ -5,8 +5,9 @@ run under ``accelerate launch`` for the split runs, every variant in one launch:
 
     accelerate launch --multi_gpu --num_processes 2 tests/sequence_parallel_run.py OUT.pt SIZE ZERO_STAGE VARIANT...
 
-``ZERO_STAGE`` is ``none`` (DDP) or a DeepSpeed ZeRO stage. A variant is ``WEIGHTING`` or
-``WEIGHTING:CONTROL`` with a control that breaks the split on purpose (``CONTROLS``). For each, rank 0
+``ZERO_STAGE`` is ``none`` (DDP) or a DeepSpeed ZeRO stage. A variant is ``WEIGHTING``,
+``WEIGHTING:adapters`` (LoRA adapters on the tiny model, ``ADAPTERS``), or ``WEIGHTING:CONTROL`` with a
+control that breaks the split on purpose (``CONTROLS``). For each, rank 0
 writes the parameters after one plain SGD step (no clipping, no momentum, learning rate 1: the update is
 the gradient the engine applied), the step's loss, the eval loss and the step's logged counts; and, under
 ``guard``, what registering the wrapped attention name again says.
@@ -26,6 +27,8 @@ from transformers import TrainingArguments
 
 import longalign.patch
 from longalign.batching import PackCollator
+from longalign.config import LoraConfig
+from longalign.lora import add_adapters
 from longalign.patch.sequence_parallel import SUFFIX
 from longalign.run import close, release
 from longalign.trainer import LongAlignTrainer
@@ -53,6 +56,14 @@ class WholePackWeights(PackCollator):
 
 
 CONTROLS = {"in_shard_shift": InShardShift, "whole_pack_weights": WholePackWeights}
+# Adapters on every projection, and the norms trained whole: what trains is the adapters' B and the norms.
+ADAPTERS = LoraConfig(r=4, alpha=8.0, trainable=["norms"])
+
+
+def model(size: int, adapters: bool) -> torch.nn.Module:
+    """The tiny model, patched to split packs over ``size`` ranks, with ``ADAPTERS`` if asked."""
+    base = tiny_model(backend="sdpa_segments", sequence_parallel_size=size)
+    return add_adapters(base, ADAPTERS, base_model="tiny") if adapters else base
 
 
 def packs() -> datasets.Dataset:
@@ -120,12 +131,12 @@ def one_step(variant: str, *, size: int = 1, zero_stage: int | None = None) -> d
         )
         assert args.world_size == world_size  # and the process group is up, as the model's patch needs
         collator = None
-        if control:
+        if control in CONTROLS:
             collator = CONTROLS[control](
                 weighting=weighting, sequence_parallel_size=size, sequence_parallel_rank=rank % size
             )
         trainer = LongAlignTrainer(
-            model=tiny_model(backend="sdpa_segments", sequence_parallel_size=size),
+            model=model(size, adapters=control == "adapters"),
             args=args,
             train_dataset=packs(),
             eval_dataset=packs(),

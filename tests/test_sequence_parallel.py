@@ -28,7 +28,7 @@ from conftest import (
     save_packs,
     tiny_model,
 )
-from sequence_parallel_run import one_step
+from sequence_parallel_run import model, one_step
 from transformers import DeepseekV3Config, GlmConfig, LlamaConfig, Qwen3NextConfig
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -122,7 +122,12 @@ LAUNCHES = {
     "2 ranks, DDP": (
         2,
         "none",
-        [*WEIGHTINGS, "sequence_level:in_shard_shift", "token_level:whole_pack_weights"],
+        [
+            *WEIGHTINGS,
+            "sequence_level:in_shard_shift",
+            "token_level:whole_pack_weights",
+            "sequence_level:adapters",
+        ],
     ),
     "2 ranks, ZeRO-3": (2, "3", list(WEIGHTINGS)),
     "4 ranks in 2 groups, DDP": (4, "none", list(WEIGHTINGS)),
@@ -190,6 +195,22 @@ def test_split_packs_give_the_step_of_the_whole_packs(name, launched, reference)
         # Every rank of a group sees the pack: the logs count it, its samples and tokens once.
         assert got["logged"] == want["logged"]
     assert "is wrapped by DeepSpeed's Ulysses layer" in results["guard"]
+
+
+@pytest.mark.integration
+@needs_launcher
+@needs_deepspeed
+def test_adapters_train_the_same_step_on_split_packs(launched):
+    """LoRA adapters (and trained norms) on split packs: the update the unsplit step applies, exactly."""
+    got = launched("2 ranks, DDP")["sequence_level:adapters"]
+    start = {name: p.detach().clone() for name, p in model(1, adapters=True).named_parameters()}
+    want = one_step("sequence_level:adapters")
+    moved = [name for name in start if not torch.equal(want["params"][name], start[name])]
+    assert moved and all("lora_B" in name or "norm" in name for name in moved)  # the base stays frozen
+    assert update_difference(got, want, {name: start[name] for name in moved}) < 1e-4
+    assert all(torch.equal(got["params"][name], start[name]) for name in start if name not in moved)
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+    assert got["eval_loss"] == pytest.approx(want["eval_loss"], rel=1e-6)
 
 
 @pytest.mark.integration
