@@ -181,3 +181,18 @@ def test_pre_tokenize_max_seq_len_below_one_names_the_flag(tmp_path, capsys, val
         == f"longalign pre-tokenize: error: argument --max-seq-len: expected an integer >= 1, got {value}"
     )
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["pack", "--input", "t", "--output", "p", "--max-seq-len", "64", "--seed", "-1"], "--seed"),
+        (["pack", "--input", "t", "--output", "p", "--max-seq-len", "0"], "--max-seq-len"),
+        (["probe", "--config", "c.toml", "--seed", "-3"], "--seed"),
+    ],
+)
+def test_out_of_range_flags_name_themselves(argv, flag, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert f"error: argument {flag}: expected an integer >= " in capsys.readouterr().err

@@ -329,3 +329,35 @@ def test_bad_lora_keys_and_values_are_named(override, message):
 def test_both_quantizations_at_once_are_refused():
     with pytest.raises(ConfigError, match="lora.load_in_4bit and lora.load_in_8bit: set one"):
         load_config(None, [M, "lora.load_in_4bit=true", "lora.load_in_8bit=true"])
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            'model.init_from_config={model_type = "llama", hiden_size = 8}',
+            r"model.init_from_config.hiden_size: not a field of LlamaConfig; did you mean 'hidden_size'\?",
+        ),
+        (
+            'model.init_from_config={model_type = "lama"}',
+            r"unknown model type 'lama'; did you mean 'llama'\?",
+        ),
+        ("training.per_device_batch_size=0", "training.per_device_batch_size: must be >= 1, got 0"),
+        (
+            "training.gradient_accumulation_steps=0",
+            "training.gradient_accumulation_steps: must be >= 1, got 0",
+        ),
+        ("training.learning_rate=-1e-4", "training.learning_rate: must be >= 0, got -0.0001"),
+        ("packing.seed=-1", "packing.seed: must be >= 0, got -1"),
+        ("data.max_seq_len=0", "data.max_seq_len: must be >= 1, got 0"),
+        ("data.max_seq_len=-1", "data.max_seq_len: must be >= 1, got -1"),
+    ],
+)
+def test_values_no_run_could_use_are_named(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [M, override])
+
+
+def test_model_settings_the_config_consumes_are_no_typo():
+    cfg = load_config(None, [M, 'model.init_from_config={model_type = "llama", rope_theta = 500000.0}'])
+    assert cfg.model.init_from_config["rope_theta"] == 500000.0  # folded into rope_parameters, not stray

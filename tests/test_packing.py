@@ -243,7 +243,10 @@ def test_write_is_deterministic_for_a_seed(tokenized, tmp_path):
 def test_long_sample_is_an_error_naming_its_line_or_dropped(tmp_path):
     tokenized = save_samples(make_samples([5, 30, 7, 31, 2]), tmp_path / "tokenized")
     out = tmp_path / "packed"
-    with pytest.raises(ValueError, match=r"line 4: sample has 30 tokens.*\(2 such samples\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"line 4: sample has 30 tokens.*\(2 such samples\).*--drop-long .*packing.drop_long = true",
+    ):
         write_packs(tokenized, out, max_seq_len=20)
     assert not out.exists()
     report = write_packs(tokenized, out, max_seq_len=20, drop_long=True)
