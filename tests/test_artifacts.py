@@ -150,3 +150,20 @@ def test_sigterm_mid_stage_leaves_nothing_behind(tmp_path):
     assert process.wait(timeout=60) == 128 + signal.SIGTERM
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chats.jsonl", "tmp"]
     assert list((tmp_path / "tmp").iterdir()) == []  # nothing in $TMPDIR either
+
+
+def test_workers_forked_in_a_stage_die_on_sigterm_as_by_default(tmp_path):
+    """datasets' process pool forks its workers inside a stage: they keep the default SIGTERM.
+
+    With the stage's handler, a worker idle in the pool's queue lock, the signal taken by another of its
+    threads, never ran it: after a ``--strict`` error in ``num_proc`` workers the pool's ``terminate``
+    then waited for it forever.
+    """
+    import multiprocess
+
+    before = signal.getsignal(signal.SIGTERM)
+    with staging_dir(tmp_path, "out"):
+        assert signal.getsignal(signal.SIGTERM) is not before  # the stage's own handler
+        with multiprocess.get_context("fork").Pool(1) as pool:
+            assert pool.apply(signal.getsignal, (signal.SIGTERM,)) == signal.SIG_DFL
+    assert signal.getsignal(signal.SIGTERM) is before  # and the process has its own back
