@@ -6,9 +6,11 @@ Tests that start processes (scripts, ``accelerate launch``, end-to-end runs) are
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -107,6 +109,28 @@ def save_packs(path: Path, rows: list[dict]) -> Path:
     return path
 
 
+def run_process(cmd: list[str], *, timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True)`` that ends the whole process tree on a timeout.
+
+    Ranks started by a launcher (and datasets' pool workers) hold its output pipes: killing only the
+    process we started would leave the test waiting for them. The command gets a session of its own,
+    and the whole session is killed when the time is up or the test is stopped.
+    """
+    with subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **kwargs
+    ) as process:
+        try:
+            out, err = process.communicate(timeout=timeout)
+        except BaseException as stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            out, err = process.communicate()
+            if isinstance(stopped, subprocess.TimeoutExpired):
+                raise subprocess.TimeoutExpired(cmd, timeout, out, err) from None
+            raise
+    return subprocess.CompletedProcess(cmd, process.returncode, out, err)
+
+
 def launch(
     script: Path | str,
     *args: str,
@@ -120,7 +144,7 @@ def launch(
     cmd = [str(LAUNCHER), "launch", "--multi_gpu", "--num_processes", str(num_processes),
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
            "--main_process_port", "0", str(script), *args]  # fmt: skip
-    return subprocess.run(cmd, env=environment, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    return run_process(cmd, env=environment, timeout=timeout, cwd=cwd)
 
 
 def demo_overrides(output_dir: Path, train_file: Path | str) -> list[str]:
@@ -141,7 +165,7 @@ def train_demo(
         f"data.max_seq_len={max_seq_len}", "training.logging_steps=1", "training.save_steps=2",
         "training.eval_strategy='no'", "training.disable_tqdm=true", *overrides,
     ]  # fmt: skip
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    result = run_process(cmd, timeout=600, cwd=ROOT)
     assert result.returncode == status, result.stderr[-4000:]
     return result
 

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import numpy as np
 import pytest
-from conftest import DEMO, ROOT, SAMPLE, TOKENIZER
+from conftest import DEMO, ROOT, SAMPLE, TOKENIZER, run_process
 from test_packing import make_samples, save_samples
 
 from longalign.cli import COMMANDS, PLOT_NAME, main
@@ -127,20 +126,21 @@ def test_console_command_and_scripts_run_the_same_subcommands(tmp_path):
     longalign = [str(ROOT / ".venv" / "bin" / "longalign")]
     if not (ROOT / ".venv" / "bin" / "longalign").exists():
         longalign = [sys.executable, "-m", "longalign"]
-    result = subprocess.run([*longalign, "--help"], capture_output=True, text=True, check=True)
+    result = run_process([*longalign, "--help"], timeout=120)
+    assert result.returncode == 0, result.stderr
     assert all(name in result.stdout for name in SUBCOMMANDS)
     out = tmp_path / "tok"
-    result = subprocess.run(
+    result = run_process(
         [sys.executable, str(ROOT / "scripts" / "pre_tokenize.py"), "--input", str(SAMPLE), "--tokenizer",
          str(TOKENIZER), "--output", str(out), "--max-seq-len", "512", "--truncation", "drop"],
-        capture_output=True, text=True,
+        timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "lines read     400" in result.stdout
     assert json.loads((out / "report.json").read_text())["lines_read"] == 400
-    result = subprocess.run(
+    result = run_process(
         [sys.executable, str(ROOT / "train.py"), "--config", str(DEMO), "data.max_seq_len=0x"],
-        capture_output=True, text=True,
+        timeout=120,
     )  # fmt: skip
     assert result.returncode == 2
     assert result.stderr.startswith("train.py: error: data.max_seq_len: expected int")

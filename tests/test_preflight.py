@@ -11,7 +11,7 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
-from conftest import DEMO, ROOT, count_packs, demo_overrides, launch, needs_launcher, save_packs
+from conftest import DEMO, ROOT, count_packs, demo_overrides, launch, needs_launcher, run_process, save_packs
 
 from longalign.config import load_config
 from longalign.preflight import (
@@ -261,7 +261,7 @@ def test_train_runs_the_preflight_when_asked_on_one_rank(tmp_path):
     cmd = [sys.executable, str(ROOT / "train.py"), "--config", str(DEMO), *demo_overrides(tmp_path / "run", packs),
            "training.max_steps=1", "training.save_strategy='no'", "training.preflight=true"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    result = run_process(cmd, timeout=300, cwd=ROOT, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "preflight: 1 rank" in result.stdout and "preflight: ok" in result.stdout
     assert "train_runtime" in result.stdout + result.stderr

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import DEMO, ROOT
+from conftest import DEMO, ROOT, run_process
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -197,7 +197,7 @@ def probe(tmp_path: Path, name: str, *args: str) -> tuple[subprocess.CompletedPr
         *args,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # a tiny model: threads only contend
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    result = run_process(cmd, timeout=600, cwd=ROOT, env=env)
     assert "Traceback" not in result.stdout + result.stderr
     return result, json.loads(output.read_text())
 
@@ -258,8 +258,8 @@ def test_compare_full_shows_what_adapters_save(tmp_path):
     assert entry["full"]["peak_bytes"] > entry["peak_bytes"] > 0  # each in a fresh process of its own
     assert "full FT peak" in result.stdout and "the adapters save" in result.stdout
     assert report["compare_full"] and "saved" in report["table"]
-    result = subprocess.run(
+    result = run_process(
         [sys.executable, str(ROOT / "scripts" / "probe_memory.py"), "--config", str(DEMO), "--compare-full"],
-        capture_output=True, text=True, cwd=ROOT,
+        timeout=300, cwd=ROOT,
     )  # fmt: skip
     assert result.returncode == 2 and "--compare-full: the run has no [lora] section" in result.stderr

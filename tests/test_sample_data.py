@@ -7,18 +7,14 @@ import importlib.util
 import json
 import os
 import statistics
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from conftest import ROOT, SAMPLE, TOKENIZER, run_process
 from transformers import AutoTokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data"
-SAMPLE = DATA / "sample.jsonl"
 META = DATA / "sample.meta.json"
-TOKENIZER = DATA / "tokenizer"
 LLAMA3_TEMPLATE = DATA / "chat_templates" / "llama3.jinja"
 CHATML_TEMPLATE = DATA / "chat_templates" / "chatml.jinja"
 SPECIAL_TOKENS = (
@@ -109,13 +105,10 @@ def test_generator_reproduces_the_shipped_file(tmp_path):
     out = tmp_path / "sample.jsonl"
     # A different hash seed in the child shows that nothing depends on set or dict-of-str ordering.
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
-    subprocess.run(
-        [sys.executable, "scripts/make_sample_data.py", "--output", str(out)],
-        cwd=ROOT,
-        env=env,
-        check=True,
-        capture_output=True,
+    result = run_process(
+        [sys.executable, "scripts/make_sample_data.py", "--output", str(out)], timeout=300, cwd=ROOT, env=env
     )
+    assert result.returncode == 0, result.stderr
     shipped = json.loads(META.read_text(encoding="utf-8"))
     regenerated = json.loads((tmp_path / "sample.meta.json").read_text(encoding="utf-8"))
     if regenerated["source_sha256"] != shipped["source_sha256"]:
