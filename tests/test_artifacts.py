@@ -155,9 +155,8 @@ def test_sigterm_mid_stage_leaves_nothing_behind(tmp_path):
 def test_workers_forked_in_a_stage_die_on_sigterm_as_by_default(tmp_path):
     """datasets' process pool forks its workers inside a stage: they keep the default SIGTERM.
 
-    With the stage's handler, a worker idle in the pool's queue lock, the signal taken by another of its
-    threads, never ran it: after a ``--strict`` error in ``num_proc`` workers the pool's ``terminate``
-    then waited for it forever.
+    With the stage's handler, workers idle in the pool's queue lock were seen never to run it: after a
+    ``--strict`` error in ``num_proc`` workers the pool's ``terminate`` then waited for them forever.
     """
     import multiprocess
 
