@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -9,6 +10,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -130,26 +134,80 @@ def test_staging_follows_the_umask_and_is_removed_on_error(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.integration
-def test_sigterm_mid_stage_leaves_nothing_behind(tmp_path):
-    """A terminated pre-tokenize removes its staging (work files included) and leaves no output."""
+def session_processes(session: int) -> list[int]:
+    """The live processes (zombies aside) of ``session``."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (command)"
+        except (OSError, IndexError):
+            continue  # ended meanwhile
+        if fields[0] != "Z" and int(fields[3]) == session:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@contextmanager
+def pre_tokenize_at_work(tmp_path: Path, num_proc: int) -> Iterator[subprocess.Popen]:
+    """``pre_tokenize.py`` on the sample (20 times over) in a session of its own, once it is at work in
+    its staging directory (with ``num_proc`` > 1, once its workers run); every process of it ends after."""
     chats = tmp_path / "chats.jsonl"
     chats.write_text(SAMPLE.read_text() * 20)
-    out = tmp_path / "tok"
     env = {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
     (tmp_path / "tmp").mkdir()
     process = subprocess.Popen(
         [sys.executable, str(ROOT / "scripts" / "pre_tokenize.py"), "--input", str(chats), "--tokenizer",
-         str(TOKENIZER), "--output", str(out), "--max-seq-len", "4096"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+         str(TOKENIZER), "--output", str(tmp_path / "tok"), "--max-seq-len", "4096", "--num-proc", str(num_proc)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
-    deadline = time.monotonic() + 60
-    while not list(tmp_path.glob(".tok.tmp-*/.cache")) and time.monotonic() < deadline:
-        time.sleep(0.05)  # wait until the stage is at work in its staging directory
-    process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=60) == 128 + signal.SIGTERM
+    workers = num_proc if num_proc > 1 else 0  # with one process, no pool
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (
+            list(tmp_path.glob(".tok.tmp-*/.cache")) and len(session_processes(process.pid)) >= 1 + workers
+        ):
+            time.sleep(0.05)
+        yield process
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+
+
+def gone_within(session: int, seconds: float) -> list[int]:
+    """The processes of ``session`` still alive after waiting up to ``seconds`` for them to end."""
+    deadline = time.monotonic() + seconds
+    while (alive := session_processes(session)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("num_proc", [1, 2])
+def test_sigterm_mid_stage_leaves_nothing_behind(tmp_path, num_proc):
+    """A terminated pre-tokenize removes its staging (work files included), leaves no output and no
+    process, and exits with 143 in silence, tokenizer workers or not."""
+    with pre_tokenize_at_work(tmp_path, num_proc) as process:
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=60)
+        assert process.returncode == 128 + signal.SIGTERM
+        assert "Traceback" not in err  # datasets' pool turned the exit into its TimeoutError before
+        assert gone_within(process.pid, 30) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chats.jsonl", "tmp"]
     assert list((tmp_path / "tmp").iterdir()) == []  # nothing in $TMPDIR either
+
+
+@pytest.mark.integration
+def test_tokenizer_workers_end_with_a_killed_stage(tmp_path):
+    """After a ``kill -9`` of pre-tokenize its workers end too, instead of waiting for work forever.
+
+    (The staging directory it leaves is removed by the next run: ``test_stale_staging_of_dead_processes_is_removed``.)
+    """
+    with pre_tokenize_at_work(tmp_path, 2) as process:
+        assert len(session_processes(process.pid)) >= 3  # the stage and its two workers
+        process.kill()
+        process.wait(timeout=60)
+        assert gone_within(process.pid, 30) == []
 
 
 def test_workers_forked_in_a_stage_die_on_sigterm_as_by_default(tmp_path):
