@@ -34,12 +34,14 @@ from typing import Any
 
 import datasets
 
+from longalign.errors import ConfigError
+
 REPORT_NAME = "report.json"
 MARKER_NAME = ".longalign-stage"
 _OWNER_NAME = ".owner"  # in a staging directory: {"host": ..., "pid": ...} of the process writing it
 
 
-class OutputError(ValueError):
+class OutputError(ConfigError):
     """An output path that a stage may not write; the message names it."""
 
 

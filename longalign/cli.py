@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-# One-line errors: what users get wrong (config, paths, data, models). Anything else keeps its traceback.
-USER_ERRORS = (ValueError, OSError)
+from longalign.errors import LongAlignError
+
 PLOT_NAME = "packing.png"
 
 
@@ -67,8 +67,13 @@ def script(name: str) -> int:
 def _run(prog: str, command: Command, args: argparse.Namespace) -> int:
     try:
         return command.run(args)
-    except USER_ERRORS as err:
+    except LongAlignError as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        if err.filename is None:  # not about a path: a fault to debug, with its traceback
+            raise
+        print(f"{prog}: error: {err.filename}: {err.strerror or err}", file=sys.stderr)
         return 2
 
 

@@ -44,8 +44,9 @@ from typing import Any, Literal
 
 from longalign.attention import BACKENDS
 from longalign.batching import WEIGHTINGS
+from longalign.errors import ConfigError, InputError
 from longalign.packing import STRATEGIES
-from longalign.sources import InputError, Source
+from longalign.sources import Source
 from longalign.tokenize import TRUNCATIONS
 
 if sys.version_info >= (3, 11):
@@ -54,10 +55,6 @@ else:
     import tomli as tomllib
 
 TORCH_DTYPES = ("auto", "float32", "bfloat16", "float16")
-
-
-class ConfigError(ValueError):
-    """A run configuration that cannot be used; the message names the key."""
 
 
 @dataclass

@@ -36,7 +36,8 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from longalign.artifacts import stage_output
-from longalign.config import ConfigError, LoraConfig
+from longalign.config import LoraConfig
+from longalign.errors import ConfigError
 from longalign.loss import LinearInputs
 from longalign.patch import check_model
 from longalign.patch.glm import GLM, GLM4

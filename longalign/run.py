@@ -37,7 +37,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 import longalign.patch
 from longalign.artifacts import REPORT_NAME, load_stage, read_report
 from longalign.batching import EXACT_WEIGHTINGS, packs_fingerprint
-from longalign.config import RESERVED_TRAINING_ARGS, Config, ConfigError, LoraConfig
+from longalign.config import RESERVED_TRAINING_ARGS, Config, LoraConfig
+from longalign.errors import ConfigError
 from longalign.packing import write_packs
 from longalign.preflight import (
     DEFAULT_ENV,

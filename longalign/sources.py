@@ -30,12 +30,10 @@ from typing import Any
 
 import numpy as np
 
+from longalign.errors import InputError
+
 RAW_SUFFIXES = (".jsonl", ".json", ".parquet")
 MESSAGE_LISTS = ("messages", "conversations")
-
-
-class InputError(ValueError):
-    """An input that cannot be read at all (missing, not UTF-8, not a chat format); the message names it."""
 
 
 @dataclass(frozen=True)

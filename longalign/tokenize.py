@@ -45,7 +45,8 @@ from tokenizers import decoders, models, pre_tokenizers
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from longalign.artifacts import stage_output, write_report
-from longalign.sources import InputError, Source, files_of, records
+from longalign.errors import InputError, ModelError
+from longalign.sources import Source, files_of, records
 
 TRUNCATIONS = ("right", "left", "drop")
 # What message text that spells a control token (e.g. "<|eot_id|>") becomes: text, or the control token.
@@ -77,7 +78,7 @@ MAX_MESSAGE_CHARS = 300  # a drop message quotes the record; a 10k-character rol
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
-class RecordError(ValueError):
+class RecordError(InputError):
     """A record that cannot become a sample; ``reason`` is one of ``DROP_REASONS``."""
 
     def __init__(self, reason: str, message: str) -> None:
@@ -88,7 +89,7 @@ class RecordError(ValueError):
         return type(self), (self.reason, str(self))
 
 
-class TemplateError(ValueError):
+class TemplateError(ModelError):
     """A chat template that cannot be split into prompt and assistant parts."""
 
 

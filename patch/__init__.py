@@ -28,6 +28,8 @@ if __name__ != "longalign.patch":
 
 import torch
 
+from longalign.errors import ModelError
+
 from . import generic
 from .glm import GLM, GLM4, REMOTE_CODE_HINTS
 from .interface import ATTENTION_NAMES, register, varlen_attention_forward
@@ -48,7 +50,7 @@ __all__ = [
 FAMILIES = (LLAMA, GLM, GLM4)
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(ModelError):
     """The model cannot train on packed samples; the message says why and what is supported."""
 
 

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from longalign.config import ConfigError, load_config
+from longalign.config import load_config
+from longalign.errors import ConfigError
 
 RUN = """
 [data]

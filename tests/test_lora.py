@@ -17,7 +17,8 @@ from transformers import AutoModelForCausalLM
 
 from longalign.batching import PackCollator
 from longalign.cli import main
-from longalign.config import ConfigError, LoraConfig, load_config
+from longalign.config import LoraConfig, load_config
+from longalign.errors import ConfigError
 from longalign.lora import (
     add_adapters,
     merge_adapter,

@@ -23,7 +23,8 @@ from conftest import (
 )
 
 from longalign.artifacts import load_stage, read_report
-from longalign.config import ConfigError, load_config
+from longalign.config import load_config
+from longalign.errors import ConfigError
 from longalign.run import (
     adapter_record,
     check_sequence_parallel,
