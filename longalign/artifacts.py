@@ -34,7 +34,7 @@ from typing import Any
 
 import datasets
 
-from longalign.errors import ConfigError
+from longalign.errors import ConfigError, InputError, PathError
 
 REPORT_NAME = "report.json"
 MARKER_NAME = ".longalign-stage"
@@ -257,9 +257,9 @@ def load_stage(directory: str | os.PathLike, *, required_columns: tuple[str, ...
     """Memory-map a stage's Arrow dataset, checking that it has ``required_columns``."""
     directory = Path(directory)
     if not (directory / "dataset_info.json").exists() and not (directory / "state.json").exists():
-        raise FileNotFoundError(f"{directory}: not a dataset directory written by a longalign stage")
+        raise PathError(f"{directory}: not a dataset directory written by a longalign stage")
     dataset = datasets.load_from_disk(str(directory))
     missing = [c for c in required_columns if c not in dataset.column_names]
     if missing:
-        raise ValueError(f"{directory}: dataset lacks column(s) {missing}; has {dataset.column_names}")
+        raise InputError(f"{directory}: dataset lacks column(s) {missing}; has {dataset.column_names}")
     return dataset

@@ -41,6 +41,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from longalign.errors import ConfigError
+
 BACKENDS = ("flash_attn", "flash_attn_cute", "torch_varlen", "sdpa_segments")
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 _KERNELS = {  # backend: (modules tried in order, varlen entry point, how to get it)
@@ -130,17 +132,17 @@ def resolve_backend(
 ) -> str:
     """The backend a call with these tensors runs on: the first that can for ``"auto"``, else ``backend`` itself.
 
-    Raises ``ValueError`` for an unknown name, or for a named backend that cannot run, with the reason.
+    Raises ``ConfigError`` for an unknown name, or for a named backend that cannot run, with the reason.
     """
     if backend != "auto" and backend not in BACKENDS:
-        raise ValueError(
+        raise ConfigError(
             f"unknown attention backend {backend!r}; expected 'auto' or one of {', '.join(BACKENDS)}"
         )
     reasons = available_backends(device, dtype, window=window, dropout=dropout)
     if backend == "auto":
         return next(name for name, reason in reasons.items() if reason is None)
     if reasons[backend] is not None:
-        raise ValueError(f"attention backend {backend!r} cannot run here: {reasons[backend]}")
+        raise ConfigError(f"attention backend {backend!r} cannot run here: {reasons[backend]}")
     return backend
 
 

@@ -40,6 +40,8 @@ import pyarrow.compute as pc
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from longalign.errors import ConfigError, InputError
+
 # How the loss counts: every sample equally (LongAlign) or every target token equally, exactly over the
 # whole step; then two references that reproduce what released code computes (see PackCollator).
 EXACT_WEIGHTINGS = ("sequence_level", "token_level")
@@ -48,7 +50,7 @@ WEIGHTINGS = (*EXACT_WEIGHTINGS, "pack_token_mean", "longwriter")
 
 def _check_weighting(weighting: str, allowed: tuple[str, ...] = WEIGHTINGS) -> None:
     if weighting not in allowed:
-        raise ValueError(f"weighting: {weighting!r} is not one of {', '.join(allowed)}")
+        raise ConfigError(f"weighting: {weighting!r} is not one of {', '.join(allowed)}")
 
 
 def mask_and_weigh(
@@ -125,7 +127,7 @@ class PackCollator:
     def __post_init__(self) -> None:
         _check_weighting(self.weighting)
         if self.pad_to_multiple_of < 1:
-            raise ValueError(f"pad_to_multiple_of: must be >= 1, got {self.pad_to_multiple_of}")
+            raise ConfigError(f"pad_to_multiple_of: must be >= 1, got {self.pad_to_multiple_of}")
         if not 0 <= self.sequence_parallel_rank < self.sequence_parallel_size:
             raise ValueError(
                 f"sequence_parallel_rank {self.sequence_parallel_rank} outside 0..{self.sequence_parallel_size - 1}"
@@ -200,7 +202,7 @@ class PackCollator:
         for i, (row_ids, row_labels, lens) in enumerate(zip(ids, labels, per_row, strict=True)):
             missing = length - len(row_ids)
             if missing < 0:
-                raise ValueError(f"pack row {i}: {len(row_ids)} tokens do not fit the padded length {length}")
+                raise InputError(f"pack row {i}: {len(row_ids)} tokens do not fit the padded length {length}")
             filler = torch.full((missing,), self.pad_token_id)
             padded[0].append(torch.cat([row_ids, filler]))
             padded[1].append(torch.cat([row_labels, filler.fill_(self.ignore_index)]))
@@ -263,13 +265,13 @@ def _seq_lens_of_pack(index: int, row: Mapping[str, Any]) -> torch.Tensor:
     cu_seqlens = torch.as_tensor(row["cu_seqlens"], dtype=torch.long)
     num_tokens, num_labels = len(row["input_ids"]), len(row["labels"])
     if len(cu_seqlens) < 2 or cu_seqlens[0] != 0 or cu_seqlens[-1] != num_tokens or num_labels != num_tokens:
-        raise ValueError(
+        raise InputError(
             f"pack row {index}: cu_seqlens {cu_seqlens.tolist()} must run from 0 to the {num_tokens} "
             f"input_ids, and labels ({num_labels}) must match them"
         )
     seq_lens = torch.diff(cu_seqlens)
     if (seq_lens < 0).any():
-        raise ValueError(f"pack row {index}: cu_seqlens {cu_seqlens.tolist()} is not non-decreasing")
+        raise InputError(f"pack row {index}: cu_seqlens {cu_seqlens.tolist()} is not non-decreasing")
     return seq_lens
 
 
@@ -361,11 +363,11 @@ class PackBatchSampler:
         shuffle: bool = True,
     ) -> None:
         if len(costs) == 0:
-            raise ValueError("PackBatchSampler: no packs")
+            raise InputError("PackBatchSampler: no packs")
         if not 0 <= rank < num_replicas:
             raise ValueError(f"PackBatchSampler: rank {rank} outside 0..{num_replicas - 1}")
         if num_replicas % sequence_parallel_size:
-            raise ValueError(
+            raise ConfigError(
                 f"PackBatchSampler: {num_replicas} ranks do not split into groups of {sequence_parallel_size}"
             )
         self.costs = np.asarray(costs, dtype=np.float64)

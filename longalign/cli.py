@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from longalign.errors import LongAlignError
+from longalign.errors import LongAlignError, PathError
 
 PLOT_NAME = "packing.png"
 
@@ -143,7 +143,7 @@ def _pre_tokenize(args: argparse.Namespace) -> int:
     tokenizer = open_tokenizer(args.tokenizer, trust_remote_code=args.trust_remote_code)
     if args.chat_template is not None:
         if not args.chat_template.is_file():
-            raise FileNotFoundError(f"{args.chat_template}: chat template file not found")
+            raise PathError(f"{args.chat_template}: chat template file not found")
         tokenizer.chat_template = args.chat_template.read_text(encoding="utf-8")
     report = pre_tokenize(
         [Source(path, split=args.split) for path in args.input],

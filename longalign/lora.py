@@ -37,7 +37,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from longalign.artifacts import stage_output
 from longalign.config import LoraConfig
-from longalign.errors import ConfigError
+from longalign.errors import ConfigError, ModelError, PathError
 from longalign.loss import LinearInputs
 from longalign.patch import check_model
 from longalign.patch.glm import GLM, GLM4
@@ -224,22 +224,22 @@ def adapted_head(head: nn.Module) -> Callable[[torch.Tensor], LinearInputs]:
             head.original_module if head.disable_adapters or not active else head.modules_to_save[active[0]]
         )
         if type(layer) is not nn.Linear:
-            raise ValueError(
+            raise ModelError(
                 f"output layer is a trained copy of {type(layer).__name__}, not a torch.nn.Linear"
             )
         return lambda hidden: (hidden, layer.weight, layer.bias)
     if not isinstance(head, LoraLinear):
-        raise ValueError(
+        raise ModelError(
             f"output layer is peft's {type(head).__name__}, which the chunked loss does not read"
         )
     base = head.get_base_layer()
     if type(base) is not nn.Linear:
-        raise ValueError(f"output layer is a LoRA adapter on {type(base).__name__}, not on a torch.nn.Linear")
+        raise ModelError(f"output layer is a LoRA adapter on {type(base).__name__}, not on a torch.nn.Linear")
     active = [name for name in head.active_adapters if name in head.lora_A]
     if head.merged or head.disable_adapters or not active:
         return lambda hidden: (hidden, base.weight, base.bias)
     if len(active) > 1 or active[0] in head.lora_variant or head.lora_bias[active[0]] or head.fan_in_fan_out:
-        raise ValueError(
+        raise ModelError(
             "output layer has a LoRA adapter the chunked loss does not fold in (several active adapters, "
             "DoRA or another variant, or an adapter bias); plain LoRA on the head is supported"
         )
@@ -268,14 +268,14 @@ def merge_adapter(
     """
     adapter_dir = Path(adapter_dir)
     if not (adapter_dir / "adapter_config.json").is_file():
-        raise ValueError(
+        raise PathError(
             f"{adapter_dir}: no adapter_config.json; expected a checkpoint or output of a [lora] run"
         )
     base = base_model or peft.PeftConfig.from_pretrained(str(adapter_dir)).base_model_name_or_path
     if not base:
-        raise ValueError(f"{adapter_dir}: its adapter_config.json names no base model; pass --base")
+        raise ConfigError(f"{adapter_dir}: its adapter_config.json names no base model; pass --base")
     if Path(base).is_absolute() and not Path(base).is_dir():
-        raise ValueError(f"{adapter_dir}: its base model {base} is not there (moved?); pass --base")
+        raise PathError(f"{adapter_dir}: its base model {base} is not there (moved?); pass --base")
     with stage_output(output_dir, stage="merge", inputs=[adapter_dir]) as staging:
         model = AutoModelForCausalLM.from_pretrained(
             base, dtype=dtype if dtype == "auto" else getattr(torch, dtype)

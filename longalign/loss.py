@@ -45,6 +45,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from longalign.errors import ConfigError, ModelError
+
 # Batch keys the model sees; labels and loss_weights stay out, so the model computes no loss of its own.
 MODEL_INPUT_KEYS = (
     "input_ids",
@@ -210,7 +212,7 @@ def weighted_token_loss(
     predicts ``labels[..., t]`` (the form a slice of a row needs).
     """
     if chunk_size < 1:
-        raise ValueError(f"chunk_size: must be >= 1, got {chunk_size}")
+        raise ConfigError(f"chunk_size: must be >= 1, got {chunk_size}")
     if hidden.shape[:-1] != labels.shape or labels.shape != loss_weights.shape:
         raise ValueError(
             f"hidden {tuple(hidden.shape)} must be labels {tuple(labels.shape)} + (H,), "
@@ -280,8 +282,8 @@ def head_as_linear(model: nn.Module, head: nn.Module) -> Callable[[torch.Tensor]
         try:
             return adapted_head(head)
         except ValueError as err:
-            raise ValueError(f"{type(model).__name__}: {err}") from None
-    raise ValueError(
+            raise ModelError(f"{type(model).__name__}: {err}") from None
+    raise ModelError(
         f"{type(model).__name__}: output layer is {type(head).__name__}, the chunked loss supports a "
         "torch.nn.Linear, frozen, trained, or with a peft LoRA adapter (not quantized)"
     )
@@ -290,7 +292,7 @@ def head_as_linear(model: nn.Module, head: nn.Module) -> Callable[[torch.Tensor]
 def lm_head_spec(model: nn.Module) -> LMHead:
     """The output layer of a transformers causal LM, with any logit scale or soft-cap from its config.
 
-    Raises ``ValueError`` naming the module class or config field when the model's logits are computed
+    Raises ``ModelError`` naming the module class or config field when the model's logits are computed
     in a way this loss does not reproduce. Read it every step, after ``forward_hidden``: sharding
     backends may swap the parameter objects between steps. For a head with a LoRA adapter, ``weight``
     is its frozen base (:func:`head_as_linear` adds the adapter).
@@ -301,18 +303,18 @@ def lm_head_spec(model: nn.Module) -> LMHead:
     for name, value in config.to_dict().items():
         if value is not None and _LOGIT_LIKE_FIELD.search(name) and not _NOT_OUTPUT_FIELD.search(name):
             if name not in _LOGIT_SCALE_FIELDS and name != _SOFTCAP_FIELD:
-                raise ValueError(_unsupported_field(model, name, value))
+                raise ModelError(_unsupported_field(model, name, value))
     scale = 1.0
     # getattr, not to_dict: some configs (MiniCPM3's logits_scaling) derive the field as a property.
     for name, factor in _LOGIT_SCALE_FIELDS.items():
         value = getattr(config, name, None)
         if value is not None:
             if not isinstance(value, int | float):
-                raise ValueError(_unsupported_field(model, name, value))
+                raise ModelError(_unsupported_field(model, name, value))
             scale *= factor(value)
     softcap = getattr(config, _SOFTCAP_FIELD, None)
     if softcap is not None and not isinstance(softcap, int | float):
-        raise ValueError(_unsupported_field(model, _SOFTCAP_FIELD, softcap))
+        raise ModelError(_unsupported_field(model, _SOFTCAP_FIELD, softcap))
     return LMHead(
         weight=head.weight,
         bias=head.bias,
@@ -345,7 +347,7 @@ class LossHead:
     ) -> None:
         spec = lm_head_spec(model)
         if spec.logit_scale is not None or spec.final_logit_softcap is not None:
-            raise ValueError(
+            raise ModelError(
                 f"{type(model).__name__}: the model scales or soft-caps its logits after the LM head, which "
                 "the loss computed inside the LM head cannot follow"
             )

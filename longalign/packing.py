@@ -31,6 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from longalign.artifacts import check_output, load_stage, stage_output, write_report
+from longalign.errors import ConfigError, InputError
 from longalign.sources import Source, mix_indices
 
 STRATEGIES = ("bfd", "ffd", "greedy", "sorted", "none")  # see pack()
@@ -77,9 +78,9 @@ def pack(
     """
     lengths = _checked_lengths(lengths, max_len)
     if strategy not in STRATEGIES:
-        raise ValueError(f"strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
+        raise ConfigError(f"strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
     if batch_size < 1 or (batch_size != 1 and strategy != "sorted"):
-        raise ValueError(f"batch_size {batch_size}: must be >= 1, and only strategy 'sorted' takes one > 1")
+        raise ConfigError(f"batch_size {batch_size}: must be >= 1, and only strategy 'sorted' takes one > 1")
     rng = np.random.default_rng(seed)
     if strategy == "none":
         order = pack_of = np.arange(len(lengths))
@@ -99,13 +100,13 @@ def pack(
 def _checked_lengths(lengths: np.ndarray, max_len: int) -> np.ndarray:
     lengths = np.asarray(lengths)
     if max_len < 1:
-        raise ValueError(f"max_len must be >= 1, got {max_len}")
+        raise ConfigError(f"max_len must be >= 1, got {max_len}")
     if lengths.ndim != 1 or (lengths.size and not np.issubdtype(lengths.dtype, np.integer)):
         raise ValueError(f"lengths must be a 1D integer array, got shape {lengths.shape} {lengths.dtype}")
     bad = np.flatnonzero((lengths < 1) | (lengths > max_len))
     if bad.size:
         i = int(bad[0])
-        raise ValueError(f"sample {i} has {lengths[i]} tokens; samples need 1 to max_len={max_len} tokens")
+        raise InputError(f"sample {i} has {lengths[i]} tokens; samples need 1 to max_len={max_len} tokens")
     return lengths.astype(np.int64)
 
 
@@ -299,7 +300,7 @@ def build_pack_table(samples: pa.Table, rows: np.ndarray, samples_per_pack: np.n
     mismatch = np.flatnonzero(pc.list_value_length(labels).to_numpy() != seq_lens)
     if mismatch.size:
         i = int(mismatch[0])
-        raise ValueError(f"line {taken['line'][i]}: {len(labels[i])} labels for {seq_lens[i]} input_ids")
+        raise InputError(f"line {taken['line'][i]}: {len(labels[i])} labels for {seq_lens[i]} input_ids")
     sample_offsets = np.concatenate([[0], np.cumsum(samples_per_pack)])
     token_offsets = np.concatenate([[0], np.cumsum(seq_lens)])
     # Pack p with first sample s and n samples owns cu_seqlens entries s+p .. s+p+n (one more than samples),
@@ -376,11 +377,11 @@ def write_packs(
     says what ``replace=False`` does).
     """
     if max_sample_len is not None and not 1 <= max_sample_len <= max_seq_len:
-        raise ValueError(f"max_sample_len {max_sample_len}: must be between 1 and max_seq_len={max_seq_len}")
+        raise ConfigError(f"max_sample_len {max_sample_len}: must be between 1 and max_seq_len={max_seq_len}")
     check_output(output_dir, inputs=[tokenized_dir])
     samples = load_stage(tokenized_dir, required_columns=SAMPLE_COLUMNS).data.table
     if samples.num_rows == 0:
-        raise ValueError(f"{tokenized_dir}: no samples to pack")
+        raise InputError(f"{tokenized_dir}: no samples to pack")
     lengths = samples["length"].to_numpy().astype(np.int64)
     lines = samples["line"].to_numpy()
     _check_lengths_match(lengths, samples["input_ids"], lines)
@@ -392,7 +393,7 @@ def write_packs(
     too_long = left_out["too_long"]
     if too_long.any() and not drop_long:
         i = int(np.flatnonzero(too_long)[0])
-        raise ValueError(
+        raise InputError(
             f"line {lines[i]}: sample has {lengths[i]} tokens, more than max_seq_len={max_seq_len} "
             f"({int(too_long.sum())} such samples); leave them out with --drop-long (longalign pack) "
             "or packing.drop_long = true (a run file)"
@@ -403,7 +404,7 @@ def write_packs(
         kept, mix_report = _take_mix(kept, samples["source"].to_numpy(), mix, seed)
     if kept.size == 0:
         counts = ", ".join(f"{reason} {int(mask.sum())}" for reason, mask in left_out.items() if mask.any())
-        raise ValueError(f"{tokenized_dir}: none of the {len(lengths)} samples is left to pack ({counts})")
+        raise InputError(f"{tokenized_dir}: none of the {len(lengths)} samples is left to pack ({counts})")
     packs = pack(lengths[kept], max_seq_len, strategy, seed=seed, batch_size=batch_size)
     report = {
         "input": str(tokenized_dir),
@@ -458,7 +459,7 @@ def _check_lengths_match(lengths: np.ndarray, input_ids: pa.ChunkedArray, lines:
     ):
         if wrong.any():
             i = int(np.flatnonzero(wrong)[0])
-            raise ValueError(f"line {lines[i]}: " + message.format(length=lengths[i], counted=counted[i]))
+            raise InputError(f"line {lines[i]}: " + message.format(length=lengths[i], counted=counted[i]))
 
 
 def _save_packs(

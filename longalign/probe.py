@@ -39,6 +39,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from longalign.artifacts import staging_dir
 from longalign.config import Config, load_config
+from longalign.errors import ConfigError
 from longalign.redact import redact_override
 from longalign.run import build_trainer, load_tokenizer
 
@@ -60,7 +61,7 @@ def parse_length(text: str) -> int:
     """
     match = _LENGTH.fullmatch(text.strip())
     if not match or int(match[1]) == 0:
-        raise ValueError(f"length {text!r}: expected a positive token count such as 4096, 4k or 1m")
+        raise ConfigError(f"length {text!r}: expected a positive token count such as 4096, 4k or 1m")
     return int(match[1]) * 1024 ** _POWERS[match[2].lower()]
 
 
@@ -81,7 +82,7 @@ def parse_size(text: str) -> int:
     """
     match = _SIZE.fullmatch(text.strip())
     if not match:
-        raise ValueError(f"memory size {text!r}: expected e.g. 80GiB, 512MiB, 2G or 2000000000")
+        raise ConfigError(f"memory size {text!r}: expected e.g. 80GiB, 512MiB, 2G or 2000000000")
     number, power, binary, unit_b = match.groups()
     decimal = bool(power) and bool(unit_b) and not binary
     return int(float(number) * (1000 if decimal else 1024) ** _POWERS[power.lower()])
@@ -487,7 +488,7 @@ def ladder(request: ProbeRequest, cfg: Config, say: Callable[[str], None]) -> in
     0 when at least the smallest length fits (the table is the answer), 1 when none does.
     """
     if request.compare_full and cfg.lora is None:
-        raise ValueError("--compare-full: the run has no [lora] section, it is full fine-tuning already")
+        raise ConfigError("--compare-full: the run has no [lora] section, it is full fine-tuning already")
     datasets.disable_progress_bars()
     ranks = Ranks(say)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a launcher stopping us: end the step too

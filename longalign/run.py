@@ -38,7 +38,7 @@ import longalign.patch
 from longalign.artifacts import REPORT_NAME, load_stage, read_report
 from longalign.batching import EXACT_WEIGHTINGS, packs_fingerprint
 from longalign.config import RESERVED_TRAINING_ARGS, Config, LoraConfig
-from longalign.errors import ConfigError
+from longalign.errors import ConfigError, LongAlignError
 from longalign.packing import write_packs
 from longalign.preflight import (
     DEFAULT_ENV,
@@ -440,11 +440,15 @@ def _lifecycle(trainer: LongAlignTrainer, cfg: Config) -> int:
     if trainer.is_world_process_zero():
         print(parameter_summary(trainer.model), flush=True)
     resume = resume_point(trainer, cfg)
-    trainer.train(resume_from_checkpoint=resume)
-    if trainer.eval_dataset is not None:
-        trainer.evaluate()
-    trainer.save_model()
-    trainer.save_state()
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+        if trainer.eval_dataset is not None:
+            trainer.evaluate()
+        trainer.save_model()
+        trainer.save_state()
+    except (LongAlignError, OSError) as err:
+        # Once training runs, nothing is a setting the user typed: the CLI shows this with its traceback.
+        raise RuntimeError(f"training stopped at step {trainer.state.global_step}: {err}") from err
     return 0
 
 

@@ -45,7 +45,7 @@ from tokenizers import decoders, models, pre_tokenizers
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from longalign.artifacts import stage_output, write_report
-from longalign.errors import InputError, ModelError
+from longalign.errors import ConfigError, InputError, ModelError
 from longalign.sources import Source, files_of, records
 
 TRUNCATIONS = ("right", "left", "drop")
@@ -965,11 +965,11 @@ def pre_tokenize(
     ``$TMPDIR``.
     """
     if truncation not in TRUNCATIONS:
-        raise ValueError(f"truncation must be one of {', '.join(TRUNCATIONS)}, got {truncation!r}")
+        raise ConfigError(f"truncation must be one of {', '.join(TRUNCATIONS)}, got {truncation!r}")
     if max_seq_len < 1:
-        raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
+        raise ConfigError(f"max_seq_len must be >= 1, got {max_seq_len}")
     if special_tokens_in_text not in SPECIAL_TEXT_MODES:
-        raise ValueError(
+        raise ConfigError(
             f"special_tokens_in_text must be one of {', '.join(SPECIAL_TEXT_MODES)}, got {special_tokens_in_text!r}"
         )
     sources = _as_sources(inputs)
@@ -1034,7 +1034,7 @@ def _as_sources(inputs: str | os.PathLike | Source | Sequence[str | os.PathLike 
     if isinstance(inputs, (str, os.PathLike, Source)):
         inputs = [inputs]
     if not inputs:
-        raise ValueError("pre_tokenize: no input")
+        raise ConfigError("pre_tokenize: no input")
     return [item if isinstance(item, Source) else Source(str(item)) for item in inputs]
 
 

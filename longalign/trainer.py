@@ -40,6 +40,7 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from longalign.batching import PackCollator, PackDataLoader, pack_loader
+from longalign.errors import ConfigError
 from longalign.loss import weighted_loss_sum
 
 CHECKPOINT_RECORD = "longalign_checkpoint.json"
@@ -119,13 +120,13 @@ class LongAlignTrainer(Trainer):
 
     def get_train_dataloader(self) -> DataLoader:
         if self.train_dataset is None:
-            raise ValueError("LongAlignTrainer: training needs a train_dataset of packs")
+            raise ConfigError("LongAlignTrainer: training needs a train_dataset of packs")
         return self._pack_loader(self.train_dataset, batch_size=self._train_batch_size, shuffle=True)
 
     def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
         packs = eval_dataset if eval_dataset is not None else self.eval_dataset
         if packs is None:
-            raise ValueError("LongAlignTrainer: evaluation needs an eval_dataset of packs")
+            raise ConfigError("LongAlignTrainer: evaluation needs an eval_dataset of packs")
         return self._pack_loader(packs, batch_size=self.args.per_device_eval_batch_size, shuffle=False)
 
     # --- checkpoints -----------------------------------------------------------------------------------

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from longalign.errors import ConfigError
+
 from .interface import ATTENTION_NAMES, is_ulysses, register
 
 SUFFIX = "_ulysses"
@@ -77,13 +79,13 @@ def wrap(model: torch.nn.Module, size: int, backend: str) -> str:
     shape = _attention_shape(model.config, size)
     if name in _WRAPPED:
         if _WRAPPED[name] != shape:
-            raise ValueError(
+            raise ConfigError(
                 f"this process already splits attention {name!r} as {_WRAPPED[name]}, not as {shape}; DeepSpeed "
                 "sets sequence parallelism up once per process"
             )
         return name
     if _WRAPPED or is_ulysses(ALL_ATTENTION_FUNCTIONS.get(name)):
-        raise ValueError(
+        raise ConfigError(
             f"sequence parallelism is already set up in this process for another attention ({', '.join(_WRAPPED) or 'outside longalign'}); "
             "DeepSpeed sets it up once per process"
         )
@@ -91,11 +93,11 @@ def wrap(model: torch.nn.Module, size: int, backend: str) -> str:
         import deepspeed
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     except ImportError as err:
-        raise ValueError(
+        raise ConfigError(
             f"sequence parallelism runs on DeepSpeed, which does not import ({err}): pip install 'longalign[sp]'"
         ) from None
     if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError("sequence parallelism needs a process group: start the run with accelerate launch")
+        raise ConfigError("sequence parallelism needs a process group: start the run with accelerate launch")
 
     if not deepspeed.comm.is_initialized():  # accelerate's DeepSpeed launches have done it already
         deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from longalign.batching import PackCollator
 from longalign.cli import main
 from longalign.config import LoraConfig, load_config
-from longalign.errors import ConfigError
+from longalign.errors import ConfigError, PathError
 from longalign.lora import (
     add_adapters,
     merge_adapter,
@@ -345,7 +345,7 @@ def test_merged_model_gives_the_adapted_model_logits(tmp_path, kind):
         unchanged = AutoModelForCausalLM.from_pretrained(base_dir)(input_ids=ids).logits
         assert (expected - unchanged).abs().max() > 1e-2  # the test can fail: the adapters change the logits
 
-    with pytest.raises(ValueError, match="no adapter_config.json"):
+    with pytest.raises(PathError, match="no adapter_config.json"):
         merge_adapter(tmp_path / "merged", tmp_path / "again")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -96,3 +97,48 @@ def test_the_longalign_recipe_trains_on_raw_chats_on_two_ranks(tmp_path):
     tokenized = json.loads((Path(report["input"]) / "report.json").read_text())
     assert tokenized["lines_read"] == 400 and tokenized["dropped"]["over_length"] > 0
     assert tokenized["truncation"] == "drop"  # the length filter drops, never truncates
+
+
+# Runs train.py's entry point after making the model's forward raise at the second optimizer step.
+_FAILING_FORWARD = """
+import sys
+import transformers
+from longalign import cli, errors
+
+forward, calls = transformers.LlamaForCausalLM.forward, []
+
+def failing(self, *args, **kwargs):
+    calls.append(1)
+    if len(calls) == 2:
+        raise {error}("deep inside the forward at step 2")
+    return forward(self, *args, **kwargs)
+
+transformers.LlamaForCausalLM.forward = failing
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("error", ["ValueError", "errors.ConfigError"])
+def test_an_error_once_training_runs_keeps_its_traceback(tokenized_sample, tmp_path, error):
+    from conftest import demo_overrides, run_process
+
+    cmd = [
+        sys.executable, "-c", _FAILING_FORWARD.format(error=error), "train", "--config", str(DEMO),
+        *demo_overrides(tmp_path / "run", tokenized_sample), "training.max_steps=3",
+        "training.disable_tqdm=true", "training.eval_strategy='no'",
+    ]  # fmt: skip
+    result = run_process(cmd, timeout=600, cwd=ROOT)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback (most recent call last)" in result.stderr
+    assert "deep inside the forward at step 2" in result.stderr
+    assert ", in failing\n" in result.stderr  # the frame that raised is shown
+    assert "longalign train: error:" not in result.stderr  # not reported as a wrong setting
+    if error != "ValueError":  # the user-input class, raised mid-run, says where the run stopped
+        assert "RuntimeError: training stopped at step 1: deep inside the forward" in result.stderr
+
+
+def test_a_wrong_setting_before_training_is_one_line(tokenized_sample, tmp_path):
+    result = train_demo(tokenized_sample, tmp_path / "run", "loss.chunk_size=0", status=2)
+    assert result.stderr.strip().splitlines() == ["train.py: error: loss.chunk_size: must be >= 1, got 0"], (
+        result.stderr
+    )
