@@ -76,7 +76,8 @@ def worker(line_file: Path, path: str, truncation: str, max_seq_len: int) -> Non
     """Run one line through ``process_line`` on one path; print time, peak RSS and outcome as JSON."""
     from transformers import AutoTokenizer
 
-    from longalign.tokenize import process_line, profile_tokenizer
+    from longalign.chat_template import profile_tokenizer
+    from longalign.tokenize import process_line
 
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
     profile = profile_tokenizer(tokenizer)
@@ -102,7 +103,8 @@ def corpus_summary() -> list[str]:
     import datasets
     from transformers import AutoTokenizer
 
-    from longalign.tokenize import pre_tokenize, process_line, profile_tokenizer
+    from longalign.chat_template import profile_tokenizer
+    from longalign.tokenize import pre_tokenize, process_line
 
     expected = json.loads((CORPUS.parent / "hostile.expected.json").read_text(encoding="utf-8"))
     settings = {"max_seq_len": expected["max_seq_len"], "truncation": expected["truncation"]}

@@ -20,7 +20,10 @@ from pathlib import Path
 import datasets
 from transformers import AutoTokenizer
 
-from longalign.tokenize import IGNORE_INDEX, parse_record, pre_tokenize, process_line, profile_tokenizer
+from longalign.chat_template import profile_tokenizer
+from longalign.labels import IGNORE_INDEX
+from longalign.records import parse_record
+from longalign.tokenize import pre_tokenize, process_line
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -137,8 +137,9 @@ def _pre_tokenize_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _pre_tokenize(args: argparse.Namespace) -> int:
+    from longalign.chat_template import open_tokenizer
     from longalign.sources import Source
-    from longalign.tokenize import open_tokenizer, pre_tokenize
+    from longalign.tokenize import pre_tokenize
 
     tokenizer = open_tokenizer(args.tokenizer, trust_remote_code=args.trust_remote_code)
     if args.chat_template is not None:

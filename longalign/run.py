@@ -37,6 +37,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 import longalign.patch
 from longalign.artifacts import REPORT_NAME, load_stage, read_report
 from longalign.batching import EXACT_WEIGHTINGS, packs_fingerprint
+from longalign.chat_template import open_tokenizer
 from longalign.config import RESERVED_TRAINING_ARGS, Config, LoraConfig
 from longalign.errors import ConfigError, LongAlignError
 from longalign.packing import write_packs
@@ -50,7 +51,7 @@ from longalign.preflight import (
 )
 from longalign.redact import is_secret_name, redact
 from longalign.sources import Source, fingerprint, kind
-from longalign.tokenize import open_tokenizer, pre_tokenize
+from longalign.tokenize import pre_tokenize
 from longalign.trainer import CHECKPOINT_RECORD, LongAlignTrainer
 
 

@@ -19,14 +19,11 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from longalign.artifacts import read_report
-from longalign.tokenize import (
-    DROP_REASONS,
-    IGNORE_INDEX,
-    InputError,
-    pre_tokenize,
-    process_line,
-    profile_tokenizer,
-)
+from longalign.chat_template import profile_tokenizer
+from longalign.errors import InputError
+from longalign.labels import IGNORE_INDEX
+from longalign.records import DROP_REASONS
+from longalign.tokenize import pre_tokenize, process_line
 
 DATA = Path(__file__).resolve().parent / "data"
 CORPUS = DATA / "hostile.jsonl"

@@ -14,33 +14,31 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AddedToken, AutoTokenizer
 
+import longalign.chat_template as chat_template
 import longalign.tokenize as stage
 from longalign.artifacts import read_report
-from longalign.sources import Source
-from longalign.tokenize import (
-    DROP_REASONS,
-    IGNORE_INDEX,
-    InputError,
-    RecordError,
+from longalign.chat_template import (
     TemplateError,
     TurnLayout,
-    check_chat_template,
-    clean_message,
     has_generation_markers,
     linear_assistant_spans,
     locate_contents,
     longest_token_bytes,
-    min_tokens,
-    parse_record,
-    pre_tokenize,
     prefix_assistant_spans,
-    process_line,
     profile_tokenizer,
-    quoted_control_text,
     render_conversation,
+)
+from longalign.errors import InputError
+from longalign.labels import (
+    IGNORE_INDEX,
+    check_chat_template,
+    quoted_control_text,
     tokenize_conversation,
     truncate,
 )
+from longalign.records import DROP_REASONS, RecordError, clean_message, parse_record
+from longalign.sources import Source
+from longalign.tokenize import min_tokens, pre_tokenize, process_line
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATES = ROOT / "data" / "chat_templates"
@@ -557,8 +555,8 @@ def test_linear_split_renders_a_conversation_twice(base_tokenizer, monkeypatch):
     """Two renderings (the conversation, and its skeleton) however many turns: no growing prefixes."""
     profile = profile_tokenizer(base_tokenizer)
     renders = []
-    real = stage._render
-    monkeypatch.setattr(stage, "_render", lambda *a, **k: renders.append(1) or real(*a, **k))
+    real = chat_template._render
+    monkeypatch.setattr(chat_template, "_render", lambda *a, **k: renders.append(1) or real(*a, **k))
     turns = [{"role": r, "content": f"turn {i}"} for i in range(200) for r in ("user", "assistant")]
     rendering = render_conversation(base_tokenizer, turns, profile)
     assert len(renders) == 2 and len(rendering.targets) == 200
@@ -744,7 +742,7 @@ def control_tokens(tokenizer, ids) -> list[int]:
 def template_control_tokens(tokenizer, messages) -> list[int]:
     """The control tokens the template itself writes: those of the rendering with neutral text."""
     neutral = [{**m, "content": "x"} for m in messages]
-    text = stage._render(tokenizer, neutral)
+    text = chat_template._render(tokenizer, neutral)
     return control_tokens(tokenizer, tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -786,7 +784,7 @@ def test_message_text_never_adds_a_control_token(quoting_tokenizers, messages, n
     """Only the template writes control tokens, and the text still reads back whole."""
     tok, profile = quoting_tokenizers[name]
     ids, labels = tokenize_conversation(tok, messages, profile)
-    text = stage._render(tok, messages)
+    text = chat_template._render(tok, messages)
     if name == "glm4_style" and messages[-1]["role"] == "assistant":
         ids = ids[:-1]  # the EOS a GLM-4-style final turn borrows
     assert control_tokens(tok, ids) == template_control_tokens(tok, messages)
