@@ -10,7 +10,8 @@ import pytest
 from conftest import DEMO, ROOT, SAMPLE, TOKENIZER, run_process
 from test_packing import make_samples, save_samples
 
-from longalign.cli import COMMANDS, PLOT_NAME, main
+from longalign.cli import COMMANDS, main
+from longalign.reports import PLOT_NAME
 
 SUBCOMMANDS = ["pre-tokenize", "pack", "train", "probe", "preflight", "merge"]
 
