@@ -11,7 +11,7 @@ no activation checkpointing) built by ``longalign.run.build_trainer``, on the sa
 - LoRA + embeddings, norms: the same, with ``trainable = ["embeddings", "norms"]`` (LongLoRA's recipe).
 
 Each variant runs in a fresh Python process, two optimizer steps, measured as the memory probe does
-(``longalign.probe.measure_steps``): the peak resident set of the process (``getrusage``), the resident set
+(``longalign.probe_step.measure_steps``): the peak resident set of the process (``getrusage``), the resident set
 just before the second step (weights, gradients and optimizer states, after the first step made them),
 and the second step's time, wall-clock and CPU (all threads of the process: what the step costs
 whatever else the machine runs). The processes run with ``MALLOC_MMAP_THRESHOLD_=65536``: glibc then maps
@@ -37,7 +37,8 @@ import torch
 from transformers import TrainerCallback
 
 from longalign.config import load_config
-from longalign.probe import measure_steps, probe_overrides, synthetic_pack
+from longalign.probe import synthetic_pack
+from longalign.probe_step import measure_steps, probe_overrides
 from longalign.run import build_trainer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -262,15 +262,11 @@ def _probe_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with [lora]: also run each length as full fine-tuning and show the memory the adapters save",
     )
-    parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)  # one length, in a fresh process
-    parser.add_argument("--full-finetune", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--packs", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
 
 
 def _probe(args: argparse.Namespace) -> int:
     from longalign.config import load_config
-    from longalign.probe import ProbeRequest, ladder, parse_lengths, parse_size, step_worker
+    from longalign.probe import ProbeRequest, ladder, parse_lengths, parse_size
 
     request = ProbeRequest(
         config=args.config,
@@ -283,8 +279,6 @@ def _probe(args: argparse.Namespace) -> int:
         compare_full=args.compare_full,
     )
     cfg = load_config(args.config, args.overrides)
-    if args.worker is not None:
-        step_worker(request, args.worker, args.packs, args.result, full=args.full_finetune)
     return ladder(request, cfg, say=lambda line: print(line, flush=True))
 
 

@@ -15,42 +15,39 @@ same run without ``[lora]``, in a fresh process of its own), and the table shows
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
-import resource
 import signal
 import socket
 import subprocess
 import sys
 import time
-import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import datasets
 import numpy as np
 import torch
 import torch.distributed as dist
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import TrainingArguments
 
 from longalign.artifacts import staging_dir
-from longalign.config import Config, load_config
+from longalign.config import Config
 from longalign.errors import ConfigError
+from longalign.probe_step import ERROR, FITS, OUT_OF_MEMORY
 from longalign.redact import redact_override
-from longalign.run import build_trainer, load_tokenizer
+from longalign.run import load_tokenizer
 
 _LENGTH = re.compile(r"(\d+)([km]?)", re.IGNORECASE)
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)", re.IGNORECASE)
 _POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
 
-FITS = "fits"
-OUT_OF_MEMORY = "out of memory"
-ERROR = "error"
-STOPPED = "stopped"  # a rank's step was ended because another rank failed first
+STOPPED = (
+    "stopped"  # a rank's step was ended because another rank failed first (the other statuses: probe_step)
+)
 
 
 def parse_length(text: str) -> int:
@@ -146,96 +143,6 @@ def synthetic_pack(total: int, *, vocab_size: int, seed: int = 0) -> dict[str, l
         "cu_seqlens": np.concatenate([[0], np.cumsum(seq_lens)]).tolist(),
         "seq_lens": seq_lens,
     }
-
-
-def probe_overrides(length: int, *, train_file: str | Path, output_dir: str | Path) -> list[str]:
-    """Config overrides that turn the run into two optimizer steps on the synthetic packs at ``train_file``.
-
-    The first step creates the optimizer states (Adam's two moments); only the second carries them
-    through forward and backward, so its peak is the run's steady state, and its time is the one
-    reported. Gradient accumulation is set to 1: later micro-batches of a step reuse the gradient
-    buffers of the first, so a step's peak is that of one micro-batch plus the optimizer step.
-    """
-    return [
-        f"data.train_file={json.dumps(str(train_file))}",
-        "data.eval_file=''",
-        f"data.max_seq_len={length}",
-        f"training.output_dir={json.dumps(str(output_dir))}",
-        "training.max_steps=2",
-        "training.gradient_accumulation_steps=1",
-        "training.save_strategy='no'",
-        "training.eval_strategy='no'",
-        "training.load_best_model_at_end=false",
-        "training.logging_strategy='no'",
-        "training.report_to='none'",
-        "training.disable_tqdm=true",
-    ]
-
-
-class StepMeter(TrainerCallback):
-    """Times the last optimizer step and notes the memory in use just before it starts."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.start = 0.0
-        self.seconds: float | None = None
-        self.start_bytes: int | None = None
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        self.start_bytes = current_memory(self.device)
-        self.start = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.seconds = time.perf_counter() - self.start
-
-
-def current_memory(device: torch.device) -> int | None:
-    """Bytes in use now: CUDA tensors on ``device``, or this process's resident set (Linux) on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.memory_allocated(device)
-    statm = Path("/proc/self/statm")
-    if not statm.exists():
-        return None
-    return int(statm.read_text().split()[1]) * resource.getpagesize()
-
-
-def peak_memory(device: torch.device) -> int:
-    """Peak bytes so far: CUDA ``max_memory_allocated`` on ``device``, or this process's peak RSS on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024  # macOS counts bytes, Linux KiB
-
-
-def measure_steps(trainer: Trainer) -> dict[str, Any]:
-    """Run ``trainer.train()`` (see :func:`probe_overrides`) and return what its steps cost on this rank.
-
-    ``peak_bytes`` covers the whole process (model load included), ``step_start_bytes`` is what the
-    last step starts with (weights, optimizer states), ``step_seconds`` is that step's time.
-    """
-    device = trainer.args.device
-    meter = StepMeter(device)
-    trainer.add_callback(meter)
-    trainer.train()
-    measured = {
-        "device": str(device),
-        "peak_bytes": peak_memory(device),
-        "step_start_bytes": meter.start_bytes,
-        "step_seconds": meter.seconds,
-    }
-    if device.type == "cuda":
-        measured["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
-    return measured
-
-
-def classify_failure(error: BaseException) -> str:
-    """``"out of memory"`` for allocator failures (CUDA or CPU), else ``"error"``."""
-    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
-        return OUT_OF_MEMORY
-    text = str(error).lower()
-    return OUT_OF_MEMORY if "out of memory" in text or "can't allocate memory" in text else ERROR
 
 
 def combine_ranks(
@@ -578,15 +485,15 @@ def _run_length(
     """This rank's step at ``length`` in a fresh process (``full``: without ``[lora]``); its result, or why
     it has none."""
     variant = "-full" if full else ""
-    result_path, log_path = work / f"result{variant}.json", work / f"worker{variant}.log"
+    result_path, log_path = work / f"result{variant}.json", work / f"step{variant}.log"
     command = [
-        sys.executable, "-m", "longalign", "probe", "--config", str(request.config),
-        "--worker", str(length), "--packs", str(work / "packs"), "--result", str(result_path),
+        sys.executable, "-m", "longalign.probe_step", "--config", str(request.config),
+        "--length", str(length), "--packs", str(work / "packs"), "--result", str(result_path),
         *(["--max-memory", str(request.max_memory)] if request.max_memory else []),
         *(["--full-finetune"] if full else []), *request.overrides,
     ]  # fmt: skip
     with open(log_path, "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=ranks.worker_env())
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=ranks.step_env())
         try:
             stopped = ranks.wait(process, f"{length}{variant}")
         finally:
@@ -610,37 +517,6 @@ def _run_length(
     if result["status"] not in (FITS, STOPPED):
         ranks.flag_failure(f"{length}{variant}")
     return {"rank": ranks.rank, **result}
-
-
-def step_worker(
-    request: ProbeRequest, length: int, packs: Path, result_path: Path, *, full: bool = False
-) -> NoReturn:
-    """The steps at ``length`` tokens per pack, in the fresh process; writes the result and leaves at once.
-
-    ``full`` runs the config without its ``[lora]`` section: full fine-tuning of the same model.
-    """
-    result: dict[str, Any] = {}
-    try:
-        if request.max_memory is not None and torch.cuda.is_available():
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-            total = torch.cuda.get_device_properties(device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, request.max_memory / total), device)
-        overrides = probe_overrides(length, train_file=packs, output_dir=packs.parent / "run")
-        cfg = load_config(request.config, [*request.overrides, *overrides])
-        trainer = build_trainer(dataclasses.replace(cfg, lora=None) if full else cfg)
-        result = {"status": FITS, **measure_steps(trainer)}
-    except Exception as err:  # any failure is the answer for this length, reported in one line
-        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        result = {
-            "status": classify_failure(err),
-            "error": f"{type(err).__name__}: {first_line[:300]}",
-            "traceback": traceback.format_exc(),
-        }
-    result_path.write_text(json.dumps(result))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Leave without interpreter teardown: after a failure, peers may hold collectives open forever.
-    os._exit(0)
 
 
 class Ranks:
@@ -670,7 +546,7 @@ class Ranks:
         if self.rank == 0:
             self._say(line)
 
-    def worker_env(self) -> dict[str, str]:
+    def step_env(self) -> dict[str, str]:
         """The step's environment: under a launcher, a fresh rendezvous that rank 0's step hosts."""
         env = dict(os.environ)
         if "MASTER_ADDR" in env:

@@ -16,9 +16,6 @@ from hypothesis import strategies as st
 from longalign.batching import PackCollator
 from longalign.config import load_config
 from longalign.probe import (
-    ERROR,
-    FITS,
-    OUT_OF_MEMORY,
     STOPPED,
     combine_ranks,
     format_table,
@@ -30,6 +27,7 @@ from longalign.probe import (
     synthetic_pack,
     synthetic_seq_lens,
 )
+from longalign.probe_step import ERROR, FITS, OUT_OF_MEMORY
 
 
 def test_lengths_and_sizes():
@@ -237,7 +235,7 @@ def test_an_error_stops_the_ladder_in_one_line_with_the_trace_kept(tmp_path):
         "model.attn_backend='torch_varlen'",
     )
     assert result.returncode == 1  # no length fits
-    assert "512 failed: error: ValueError: attention backend 'torch_varlen' cannot run here" in result.stdout
+    assert "512 failed: error: ConfigError: attention backend 'torch_varlen' cannot run here" in result.stdout
     assert "traceback in" in result.stdout
     failed = report["results"][0]
     assert failed["status"] == ERROR and "Traceback" in failed["ranks"][0]["traceback"]
