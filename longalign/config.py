@@ -45,6 +45,7 @@ from typing import Any, Literal
 from longalign.attention import BACKENDS
 from longalign.batching import WEIGHTINGS
 from longalign.errors import ConfigError, InputError
+from longalign.labels import IGNORE_INDEX
 from longalign.packing import STRATEGIES
 from longalign.sources import Source
 from longalign.tokenize import TRUNCATIONS
@@ -150,7 +151,6 @@ class LossConfig:
     weighting: str = (
         "sequence_level"  # sequence_level (LongAlign) | token_level | pack_token_mean | longwriter
     )
-    ignore_index: int = -100  # label value that is not a target
     chunk_size: int = 4096  # tokens per logits chunk; smaller saves memory, larger is faster
     longwriter_divisor: float = 30.0  # the constant of the longwriter reference loss
 
@@ -316,6 +316,14 @@ ALIASES = {
     "lora.modules_to_save": Alias("lora.trainable"),
 }
 
+# Keys that run files carry for a value longalign fixes: the one value accepted (it sets nothing), and why.
+FIXED = {
+    "loss.ignore_index": (
+        IGNORE_INDEX,
+        "labels mark non-targets with -100: pre-tokenize writes it, the loss reads it",
+    ),
+}
+
 # Keys that say the same thing two ways: a layer (the command line) that sets one drops the other from the
 # layers before it (the file); one layer setting both is an error.
 EXCLUSIVE = {"data.train_file": ("data.sources",), "data.sources": ("data.train_file",)}
@@ -438,7 +446,11 @@ def _canonical(tables: dict[str, Any]) -> dict[str, tuple[Any, str]]:
         written.update({f"{section}.{key}": value for key, value in table.items()})
     out: dict[str, tuple[Any, str]] = {}
     for key, value in written.items():
-        if key not in ALIASES:
+        if key in FIXED:
+            fixed, why = FIXED[key]
+            if value != fixed:
+                raise ConfigError(f"{key}: only {fixed} is accepted ({why}), got {_shown(value)}")
+        elif key not in ALIASES:
             _check_value(key, value, key)
             out[key] = (value, key)
     excluded: list[tuple[str, Any, Alias]] = []

@@ -38,7 +38,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 from longalign.artifacts import stage_output
 from longalign.config import LoraConfig
 from longalign.errors import ConfigError, ModelError, PathError
-from longalign.loss import LinearInputs
+from longalign.loss import LinearInputs, linear_head
 from longalign.patch import check_model
 from longalign.patch.glm import GLM, GLM4
 from longalign.patch.llama import LLAMA
@@ -207,10 +207,11 @@ def save_base(model: nn.Module, output_dir: str | Path) -> str:
 
 
 def adapted_head(head: nn.Module) -> Callable[[torch.Tensor], LinearInputs]:
-    """``hidden -> (hidden', weight, bias)`` with ``head(hidden) == hidden' @ weight^T + bias`` for an output
-    layer that peft wrapped; raises ``ValueError`` for a wrapping the chunked loss cannot follow.
+    """The loss's :data:`~longalign.loss.HeadReader` for a model with adapters: ``hidden -> (hidden', weight,
+    bias)`` with ``head(hidden) == hidden' @ weight^T + bias``; raises ``ModelError`` for a wrapping the
+    chunked loss cannot follow.
 
-    A trained copy (``modules_to_save``) is read as its copy. A LoRA adapter on the head,
+    A head left alone is read as the ``torch.nn.Linear`` it is. A trained copy (``modules_to_save``) is read as its copy. A LoRA adapter on the head,
     ``x W^T + b + s * dropout(x) A^T B^T`` with ``s = alpha / r``, is one linear map over hidden states
     widened by the adapter's ``r`` inputs. Built inside the head's own call on every step, so the
     adapter's gradient flows through the loss's backward, dropout included::
@@ -218,6 +219,8 @@ def adapted_head(head: nn.Module) -> Callable[[torch.Tensor], LinearInputs]:
         hidden'  [x | s * dropout(x) A^T]      [T, H + r]
         weight   [W | B]                       [V, H + r]
     """
+    if type(head) is nn.Linear:
+        return linear_head(head)
     if isinstance(head, ModulesToSaveWrapper):
         active = head.active_adapters
         layer = (

@@ -21,9 +21,11 @@ and what a sharded row must keep)::
    used inside the head module's own call, so FSDP and DeepSpeed ZeRO-3 gather it around forward and
    backward as for any layer, and its gradient flows through the normal backward. ``S`` reads only the
    hidden states and targets it is given, so it is exact on a slice of a row.
-4. **Adapters.** The head may sit inside a peft model, frozen (no weight gradient is computed), trained
-   whole, or with a LoRA adapter of its own, whose effective weight is built inside the head's call
-   (:func:`head_as_linear`) so that the adapter's gradient comes out of the same backward.
+4. **Reading the head.** The loss reads the output layer through a :data:`HeadReader`: a function that
+   turns the head module into ``hidden -> (hidden', weight, bias)`` with logits ``hidden' @ weight^T + bias``,
+   called inside the head's own call. :func:`linear_head` reads a ``torch.nn.Linear``; a module that wraps
+   the head in another way (adapters: ``longalign.lora.adapted_head``) brings its own reader, so that,
+   say, an adapter's gradient comes out of the same backward.
 
 The trainer divides ``S`` by the step's denominator (the sum of ``loss_weights`` over all micro-batches
 and ranks of the step).
@@ -265,40 +267,41 @@ _NOT_OUTPUT_FIELD = re.compile(r"attn|attention|router|init")
 
 
 LinearInputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # hidden, weight, bias
+# The loss's view of an output layer: head module -> (hidden -> LinearInputs), logits = hidden' @ weight^T + bias.
+# Raises ModelError for a head it cannot read.
+HeadReader = Callable[[nn.Module], Callable[[torch.Tensor], LinearInputs]]
 
 
-def head_as_linear(model: nn.Module, head: nn.Module) -> Callable[[torch.Tensor], LinearInputs]:
-    """The output layer as ``hidden -> (hidden', weight, bias)``, its logits being ``hidden' @ weight^T + bias``.
+def linear_head(head: nn.Module) -> Callable[[torch.Tensor], LinearInputs]:
+    """The :data:`HeadReader` of a plain ``torch.nn.Linear`` output layer: ``hidden -> (hidden, W, b)``.
 
-    A ``torch.nn.Linear`` is read as it is. A head that peft wrapped, trained whole or with a LoRA
-    adapter, is read by :func:`longalign.lora.adapted_head`, which widens ``hidden`` by the adapter's
-    inputs. Raises ``ValueError`` naming any other layer (quantized, custom).
+    Raises ``ModelError`` naming any other layer (quantized, custom, or wrapped without a reader).
     """
-    if type(head) is nn.Linear:
-        return lambda hidden: (hidden, head.weight, head.bias)
-    if type(head).__module__.startswith("peft."):
-        from longalign.lora import adapted_head  # only a model with adapters has such a head
-
-        try:
-            return adapted_head(head)
-        except ValueError as err:
-            raise ModelError(f"{type(model).__name__}: {err}") from None
-    raise ModelError(
-        f"{type(model).__name__}: output layer is {type(head).__name__}, the chunked loss supports a "
-        "torch.nn.Linear, frozen, trained, or with a peft LoRA adapter (not quantized)"
-    )
+    if type(head) is not nn.Linear:
+        raise ModelError(
+            f"output layer is {type(head).__name__}; the chunked loss reads a torch.nn.Linear (or a head "
+            "whose wrapper brings its reader, as LoRA adapters do)"
+        )
+    return lambda hidden: (hidden, head.weight, head.bias)
 
 
-def lm_head_spec(model: nn.Module) -> LMHead:
+def _read(model: nn.Module, head: nn.Module, read_head: HeadReader) -> Callable[[torch.Tensor], LinearInputs]:
+    try:
+        return read_head(head)
+    except ModelError as err:
+        raise ModelError(f"{type(model).__name__}: {err}") from None
+
+
+def lm_head_spec(model: nn.Module, read_head: HeadReader = linear_head) -> LMHead:
     """The output layer of a transformers causal LM, with any logit scale or soft-cap from its config.
 
     Raises ``ModelError`` naming the module class or config field when the model's logits are computed
     in a way this loss does not reproduce. Read it every step, after ``forward_hidden``: sharding
     backends may swap the parameter objects between steps. For a head with a LoRA adapter, ``weight``
-    is its frozen base (:func:`head_as_linear` adds the adapter).
+    is its frozen base (its ``read_head`` adds the adapter).
     """
     head = model.get_output_embeddings()
-    head_as_linear(model, head)
+    _read(model, head, read_head)
     config = model.config.get_text_config()
     for name, value in config.to_dict().items():
         if value is not None and _LOGIT_LIKE_FIELD.search(name) and not _NOT_OUTPUT_FIELD.search(name):
@@ -343,20 +346,25 @@ class LossHead:
     """
 
     def __init__(
-        self, model: nn.Module, batch: Mapping[str, Any], *, chunk_size: int, ignore_index: int = -100
+        self,
+        model: nn.Module,
+        batch: Mapping[str, Any],
+        *,
+        chunk_size: int,
+        read_head: HeadReader = linear_head,
     ) -> None:
-        spec = lm_head_spec(model)
+        spec = lm_head_spec(model, read_head)
         if spec.logit_scale is not None or spec.final_logit_softcap is not None:
             raise ModelError(
                 f"{type(model).__name__}: the model scales or soft-caps its logits after the LM head, which "
                 "the loss computed inside the LM head cannot follow"
             )
         self.head = model.get_output_embeddings()
-        self.as_linear = head_as_linear(model, self.head)
+        self.as_linear = _read(model, self.head, read_head)
         self.shifted = "shift_labels" in batch
         prefix = "shift_" if self.shifted else ""
         self.labels, self.weights = batch[prefix + "labels"], batch[prefix + "loss_weights"]
-        self.chunk_size, self.ignore_index = chunk_size, ignore_index
+        self.chunk_size = chunk_size
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """What the head computes while installed: ``S`` as ``[1, 1, 1]`` from ``hidden [B, T, H]``."""
@@ -368,7 +376,6 @@ class LossHead:
             self.weights,
             lm_head_bias=bias,
             chunk_size=self.chunk_size,
-            ignore_index=self.ignore_index,
             shifted=self.shifted,
         )
         return total.reshape(1, 1, 1)
@@ -382,17 +389,18 @@ class LossHead:
 
 
 def weighted_loss_sum(
-    model: nn.Module, batch: Mapping[str, Any], *, chunk_size: int = 4096, ignore_index: int = -100
+    model: nn.Module, batch: Mapping[str, Any], *, chunk_size: int = 4096, read_head: HeadReader = linear_head
 ) -> torch.Tensor:
     """One micro-batch's ``S = sum_t w_t * CE_t`` (float32 scalar) through the model's own forward.
 
     ``model`` may be wrapped (DDP, FSDP, DeepSpeed: anything exposing ``.module``); the LM head is found on
-    the model inside. Every position of the batch reaches the head (``logits_to_keep=0``).
+    the model inside, and read with ``read_head``. Every position of the batch reaches the head
+    (``logits_to_keep=0``); labels mark non-targets with -100.
     """
     inner = model
     while hasattr(inner, "module"):
         inner = inner.module
     inputs = {key: batch[key] for key in MODEL_INPUT_KEYS if key in batch}
-    with LossHead(inner, batch, chunk_size=chunk_size, ignore_index=ignore_index):
+    with LossHead(inner, batch, chunk_size=chunk_size, read_head=read_head):
         outputs = model(**inputs, use_cache=False, logits_to_keep=0)
     return outputs.logits.reshape(())

@@ -39,7 +39,9 @@ from longalign.artifacts import REPORT_NAME, load_stage, read_report
 from longalign.batching import EXACT_WEIGHTINGS, packs_fingerprint
 from longalign.chat_template import open_tokenizer
 from longalign.config import RESERVED_TRAINING_ARGS, Config, LoraConfig
-from longalign.errors import ConfigError, LongAlignError
+from longalign.errors import ConfigError, InputError, LongAlignError
+from longalign.labels import IGNORE_INDEX
+from longalign.loss import linear_head
 from longalign.packing import write_packs
 from longalign.preflight import (
     DEFAULT_ENV,
@@ -177,7 +179,7 @@ def check_sequence_parallel(
 def resolve_packs(which: str, cfg: Config, args: TrainingArguments, tokenizer=None):
     """The packs of the training (``which="train"``) or eval data, prepared on first use (see :func:`prepare`).
 
-    Either way the rows must fit ``data.max_seq_len`` and use ``loss.ignore_index`` for non-targets.
+    Either way the rows must fit ``data.max_seq_len`` and mark non-targets with -100.
     """
     path = prepare(which, cfg, args, tokenizer)
     return check_packs(load_stage(path), str(path), cfg)
@@ -269,7 +271,7 @@ def _tokenizer_digest(tokenizer) -> str:
 
 
 def check_packs(packs, path: str, cfg: Config):
-    """``packs`` if they fit ``data.max_seq_len`` and their labels mark non-targets with ``ignore_index``.
+    """``packs`` if they fit ``data.max_seq_len`` and their labels mark non-targets with -100.
 
     Every sample must fit, and every row too, except the batches of the ``sorted`` strategy, which hold
     ``batch_size`` samples of up to ``max_seq_len`` tokens each.
@@ -291,10 +293,10 @@ def check_packs(packs, path: str, cfg: Config):
         )
     labels = pc.list_flatten(packs.data.column("labels"))
     negative = pc.unique(pc.filter(labels, pc.less(labels, 0))).to_pylist()
-    if any(value != cfg.loss.ignore_index for value in negative):
-        raise ConfigError(
-            f"loss.ignore_index: {cfg.loss.ignore_index}, but {path} marks non-targets with "
-            f"{', '.join(map(str, sorted(negative)))} (pre-tokenize writes -100)"
+    if any(value != IGNORE_INDEX for value in negative):
+        raise InputError(
+            f"{path}: labels mark non-targets with {', '.join(map(str, sorted(negative)))}, not "
+            f"{IGNORE_INDEX} as pre-tokenize writes them"
         )
     return packs
 
@@ -397,8 +399,11 @@ def build_trainer(cfg: Config) -> LongAlignTrainer:
     check_vocabulary(model, train_packs, "the training data")
     if eval_packs is not None:
         check_vocabulary(model, eval_packs, "the eval data")
+    read_head = linear_head
     if cfg.lora is not None:
-        model = adapt(model, cfg, args)
+        from longalign.lora import adapted_head
+
+        model, read_head = adapt(model, cfg, args), adapted_head
     return LongAlignTrainer(
         model=model,
         args=args,
@@ -409,7 +414,7 @@ def build_trainer(cfg: Config) -> LongAlignTrainer:
         longwriter_divisor=cfg.loss.longwriter_divisor,
         max_seq_len=cfg.data.max_seq_len,
         loss_chunk_size=cfg.loss.chunk_size,
-        ignore_index=cfg.loss.ignore_index,
+        read_head=read_head,
         pack_seed=cfg.packing.seed,
         pad_packs_to=cfg.data.max_seq_len if cfg.packing.pad_to_max else None,
         sequence_parallel_size=cfg.training.sequence_parallel_size,

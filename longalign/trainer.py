@@ -41,7 +41,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from longalign.batching import PackCollator, PackDataLoader, pack_loader
 from longalign.errors import ConfigError
-from longalign.loss import weighted_loss_sum
+from longalign.loss import HeadReader, linear_head, weighted_loss_sum
 
 CHECKPOINT_RECORD = "longalign_checkpoint.json"
 
@@ -74,7 +74,7 @@ class LongAlignTrainer(Trainer):
         longwriter_divisor: float = 30.0,
         max_seq_len: int | None = None,
         loss_chunk_size: int = 4096,
-        ignore_index: int = -100,
+        read_head: HeadReader = linear_head,
         pack_seed: int = 0,
         pad_packs_to: int | None = None,
         sequence_parallel_size: int = 1,
@@ -86,7 +86,6 @@ class LongAlignTrainer(Trainer):
         # Built here, once the rank is known: it decides which slice of a shared pack this rank keeps.
         self.data_collator = data_collator or PackCollator(
             weighting=weighting,
-            ignore_index=ignore_index,
             longwriter_divisor=longwriter_divisor,
             pad_packs_to=pad_packs_to,
             sequence_parallel_size=sequence_parallel_size,
@@ -95,7 +94,7 @@ class LongAlignTrainer(Trainer):
         self.sequence_parallel_size = sequence_parallel_size
         self.max_seq_len = max_seq_len
         self.loss_chunk_size = loss_chunk_size
-        self.ignore_index = ignore_index
+        self.read_head = read_head
         self.pack_seed = pack_seed
         self.run_record = run_record or {}
         self._window = {"tokens": 0.0, "samples": 0.0, "packs": 0.0, "steps": 0, "start": 0.0}
@@ -189,9 +188,7 @@ class LongAlignTrainer(Trainer):
         return batches, torch.tensor(denominator, dtype=torch.float32, device=device)
 
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
-        total = weighted_loss_sum(
-            model, inputs, chunk_size=self.loss_chunk_size, ignore_index=self.ignore_index
-        )
+        total = weighted_loss_sum(model, inputs, chunk_size=self.loss_chunk_size, read_head=self.read_head)
         if num_items_in_batch is None:  # a lone micro-batch (e.g. a probe): normalise by itself
             num_items_in_batch = torch.tensor(inputs["loss_denominator"], device=total.device)
         # D == 0 only when no sample of the step has a target: the loss and gradient are then 0.
@@ -214,7 +211,7 @@ class LongAlignTrainer(Trainer):
             for batch in loader:
                 batch = self._prepare_inputs(batch)
                 total = weighted_loss_sum(
-                    model, batch, chunk_size=self.loss_chunk_size, ignore_index=self.ignore_index
+                    model, batch, chunk_size=self.loss_chunk_size, read_head=self.read_head
                 )
                 sums += torch.stack(
                     [

@@ -44,7 +44,7 @@ def test_sections_and_aliases(tmp_path):
     cfg = load_config(write(tmp_path, RUN))
     assert cfg.data.train_file == "out/packed" and cfg.data.max_seq_len == 4096
     assert cfg.packing.strategy == "ffd"
-    assert cfg.loss.weighting == "token_level" and cfg.loss.ignore_index == -100
+    assert cfg.loss.weighting == "token_level" and not hasattr(cfg.loss, "ignore_index")
     assert cfg.training.args == {
         "per_device_train_batch_size": 2,
         "gradient_accumulation_steps": 4,

@@ -18,8 +18,9 @@ from transformers import AutoModelForCausalLM
 from longalign.batching import PackCollator
 from longalign.cli import main
 from longalign.config import LoraConfig, load_config
-from longalign.errors import ConfigError, PathError
+from longalign.errors import ConfigError, ModelError, PathError
 from longalign.lora import (
+    adapted_head,
     add_adapters,
     merge_adapter,
     quantization,
@@ -169,7 +170,7 @@ def test_packed_equals_each_sample_alone_with_adapters(kind, setting):
     logits: the same loss and the same gradient for every adapter and trained module."""
     model = adapted(kind, **SETTINGS[setting])
     items = samples()
-    packed = weighted_loss_sum(model, packed_batch(items), chunk_size=3)
+    packed = weighted_loss_sum(model, packed_batch(items), chunk_size=3, read_head=adapted_head)
     packed.backward()
     got = trained_grads(model)
     model.zero_grad()
@@ -190,7 +191,7 @@ def test_dropout_of_a_head_adapter_is_the_one_peft_applies():
 
     def through_loss_head(seed: int):
         torch.manual_seed(seed)
-        loss = weighted_loss_sum(model, packed_batch(items))
+        loss = weighted_loss_sum(model, packed_batch(items), read_head=adapted_head)
         return loss, torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
 
     torch.manual_seed(7)
@@ -206,10 +207,17 @@ def test_dropout_of_a_head_adapter_is_the_one_peft_applies():
 def test_heads_inside_peft_models_are_read_and_unsupported_ones_named():
     frozen = adapted()
     assert type(frozen.get_output_embeddings()) is torch.nn.Linear
-    assert lm_head_spec(frozen).weight is frozen.get_output_embeddings().weight
+    assert lm_head_spec(frozen, adapted_head).weight is frozen.get_output_embeddings().weight
     assert not frozen.get_output_embeddings().weight.requires_grad
-    for settings in ({"trainable": ["lm_head"]}, {"target_modules": ["lm_head"]}):
-        lm_head_spec(adapted(**settings))  # a trained copy and a LoRA adapter are both read
+    copy = lm_head_spec(adapted(trainable=["lm_head"]), adapted_head)  # the trained copy is read
+    assert copy.weight.requires_grad and copy.weight.shape == (TINY["vocab_size"], TINY["hidden_size"])
+    lora = adapted(target_modules=["lm_head"])
+    assert not lm_head_spec(lora, adapted_head).weight.requires_grad  # the frozen base; the reader adds B A
+    with pytest.raises(
+        ModelError,
+        match="PeftModelForCausalLM: output layer is Linear; the chunked loss reads a torch.nn.Linear",
+    ):
+        lm_head_spec(lora)  # the loss alone does not read adapters: their module brings the reader
 
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
@@ -218,17 +226,17 @@ def test_heads_inside_peft_models_are_read_and_unsupported_ones_named():
         tiny_model(backend="sdpa_segments"), PeftLoraConfig(target_modules=["lm_head"], use_dora=True)
     )
     with pytest.raises(ValueError, match="PeftModel: output layer has a LoRA adapter .*DoRA"):
-        weighted_loss_sum(dora, packed_batch(samples()))
+        weighted_loss_sum(dora, packed_batch(samples()), read_head=adapted_head)
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_activation_checkpointing_keeps_adapter_gradients(reentrant):
     items = samples()
     plain = adapted()
-    weighted_loss_sum(plain, packed_batch(items)).backward()
+    weighted_loss_sum(plain, packed_batch(items), read_head=adapted_head).backward()
     checkpointed = adapted()
     checkpointed.activation_checkpointing_enable({"use_reentrant": reentrant})
-    weighted_loss_sum(checkpointed, packed_batch(items)).backward()
+    weighted_loss_sum(checkpointed, packed_batch(items), read_head=adapted_head).backward()
     torch.testing.assert_close(trained_grads(checkpointed), trained_grads(plain))
     # Frozen embeddings still hand the first layer an input that needs a gradient (checkpointing or not).
     assert adapted().get_input_embeddings()(torch.tensor([[3, 4]])).requires_grad
@@ -242,7 +250,7 @@ def test_trained_embeddings_stay_tied_to_the_head():
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     assert head.modules_to_save["default"].weight is embedding.modules_to_save["default"].weight
     items = samples()
-    packed = weighted_loss_sum(model, packed_batch(items))
+    packed = weighted_loss_sum(model, packed_batch(items), read_head=adapted_head)
     torch.testing.assert_close(packed, each_sample_alone(model, items), rtol=1e-5, atol=1e-5)
 
 
@@ -300,7 +308,7 @@ def test_qlora_trains_adapters_on_a_quantized_base(tmp_path, bits):
     model = randomize_adapters(add_adapters(base, cfg.lora, base_model=str(tmp_path / "base")))
     items = samples()
     batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in packed_batch(items).items()}
-    packed = weighted_loss_sum(model, batch)
+    packed = weighted_loss_sum(model, batch, read_head=adapted_head)
     packed.backward()
     got = trained_grads(model)
     model.zero_grad()

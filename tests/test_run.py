@@ -24,7 +24,7 @@ from conftest import (
 
 from longalign.artifacts import load_stage, read_report
 from longalign.config import load_config
-from longalign.errors import ConfigError
+from longalign.errors import ConfigError, InputError
 from longalign.run import (
     adapter_record,
     check_sequence_parallel,
@@ -252,13 +252,21 @@ def test_packed_rows_must_fit_max_seq_len(tmp_path):
         resolve_packs("train", small, args)
 
 
-def test_labels_must_use_the_configured_ignore_index(tmp_path):
+def test_labels_mark_non_targets_with_minus_100(tmp_path):
     rows = count_packs([[4, 3]])
-    rows[0]["labels"][0] = -100
+    rows[0]["labels"][0] = -1
     packs = save_packs(tmp_path / "packs", rows)
-    cfg = load_config(DEMO, ["loss.ignore_index=-1", f"data.train_file='{packs}'"])
-    with pytest.raises(ConfigError, match=r"loss.ignore_index: -1, but .* marks non-targets with -100"):
+    cfg = load_config(DEMO, [f"data.train_file='{packs}'"])
+    with pytest.raises(InputError, match=r"packs: labels mark non-targets with -1, not -100 as pre-tokenize"):
         resolve_packs("train", cfg, training_arguments(cfg))
+
+
+def test_ignore_index_is_accepted_as_run_files_write_it_and_nothing_else():
+    assert load_config(DEMO, ["loss.ignore_index=-100"]).source("loss.ignore_index") == "default"
+    with pytest.raises(
+        ConfigError, match=r"loss.ignore_index: only -100 is accepted \(labels mark non-targets"
+    ):
+        load_config(DEMO, ["loss.ignore_index=-1"])
 
 
 def test_token_ids_must_fit_the_model_vocabulary(tmp_path):
