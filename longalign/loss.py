@@ -8,8 +8,8 @@ and what a sharded row must keep)::
 1. **Who computes what.** The model runs its own ``forward`` (wrapped or not: DDP, FSDP, DeepSpeed) with
    ``use_cache=False`` and ``logits_to_keep=0``. While :class:`LossHead` is installed on the unwrapped
    model, the output layer's ``forward`` receives the final hidden states ``[B, T, H]`` and returns the
-   micro-batch's weighted loss sum ``S = sum_t w_t * CE_t`` (float32, shape ``[1, 1, 1]``) in place of
-   logits; the model output's ``logits`` field carries ``S`` out. Nothing after the head may transform it,
+   micro-batch's weighted loss sum ``S = sum_t w_t * CE_t`` (shape ``[1, 1, 1]``; float32, or float64 for a
+   float64 model) in place of logits; the model output's ``logits`` field carries ``S`` out. Nothing after the head may transform it,
    so models that scale or soft-cap their logits after the head are refused.
 2. **Targets.** The batch carries ``labels`` and ``loss_weights`` aligned with the tokens the model sees.
    By default position ``t`` predicts ``labels[t + 1]`` inside its row (labels not shifted, as the
@@ -31,7 +31,8 @@ The trainer divides ``S`` by the step's denominator (the sum of ``loss_weights``
 and ranks of the step).
 
 Memory: logits are computed in the model's dtype and upcast to float32 per chunk (as transformers' own
-loss upcasts); softmax and cross-entropy run in float32. The loss holds one float32 ``[chunk_size, V]``
+loss upcasts); softmax and cross-entropy run in float32 (in float64 for a float64 model, which is how the
+tests check identities exactly on any CPU). The loss holds one float32 ``[chunk_size, V]``
 buffer at a time (two with a soft-cap; plus the model-dtype product before the upcast when the model is
 not float32; 2 GiB at 4096 x 128k), and the head's gradient is summed over chunks in a float32 ``[V, H]``
 buffer. ``benchmarks/loss_memory.py`` compares it with transformers' full-logits loss.
@@ -69,12 +70,18 @@ def _logits(
     softcap: float | None,
 ) -> torch.Tensor:
     """Float32 logits of one chunk: ``softcap * tanh(scale * (h W^T + b) / softcap)``."""
-    logits = nn.functional.linear(hidden, weight, bias).float()
+    logits = nn.functional.linear(hidden, weight, bias)
+    logits = logits.to(_loss_dtype(logits.dtype))
     if logit_scale is not None:
         logits *= logit_scale
     if softcap is not None:
         logits.div_(softcap).tanh_().mul_(softcap)
     return logits
+
+
+def _loss_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for the model dtypes of training (bf16, fp16, fp32); float64 stays float64."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def _chunk_loss(
@@ -124,7 +131,7 @@ def _chunk_backward(
     if grad_hidden is not None:
         torch.mm(grad, weight, out=grad_hidden)
     if grad_weight is not None:
-        if weight.dtype == torch.float32:
+        if weight.dtype == grad_weight.dtype:
             grad_weight.addmm_(grad.t(), hidden)  # in place: no [V, H] temporary
         else:
             grad_weight += grad.t() @ hidden  # product in the model dtype, summed over chunks in fp32
@@ -145,7 +152,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         softcap: float | None,
         chunk_size: int,
     ) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        total = torch.zeros((), dtype=_loss_dtype(hidden.dtype), device=hidden.device)
         for rows in _chunks(len(targets), chunk_size):
             total += _chunk_loss(
                 hidden[rows], weight, bias, targets[rows], target_weights[rows], logit_scale, softcap
@@ -159,8 +166,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         hidden, weight, bias, targets, target_weights = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight else None
-        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if need_bias else None
+        grad_weight = torch.zeros_like(weight, dtype=_loss_dtype(weight.dtype)) if need_weight else None
+        grad_bias = torch.zeros_like(bias, dtype=_loss_dtype(bias.dtype)) if need_bias else None
         target_weights = target_weights * grad_total
         for rows in _chunks(len(targets), ctx.chunk_size):
             _chunk_backward(
@@ -236,7 +243,7 @@ def weighted_token_loss(
         lm_head_weight,
         lm_head_bias,
         next_labels[rows],
-        next_weights[rows].float(),
+        next_weights[rows].to(_loss_dtype(hidden.dtype)),
         logit_scale,
         final_logit_softcap,
         chunk_size,

@@ -83,6 +83,38 @@ def tiny_model(
     return longalign.patch.apply(model, backend=backend, sequence_parallel_size=sequence_parallel_size)
 
 
+# Identities checked in float32 are compared by the norm of the difference over the norm of the reference:
+# float32 kernels round differently on different CPUs (vector width, threads), element by element, but
+# their relative error over a whole tensor stays near 1e-7. A real fault (a leak between samples, a lost
+# boundary label, a wrong normaliser) moves it by 1e-3 or more.
+FLOAT32_BOUND = 1e-5
+FLOAT64_BOUND = 1e-10  # the same identities computed in float64: rounding near 1e-16, far below it
+
+
+def relative_error(actual, expected) -> float:
+    """``||actual - expected|| / ||expected||`` in float64; dicts and sequences of tensors count as one.
+
+    >>> relative_error(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0 + 1e-6]))  # ~4.5e-7
+    """
+    if isinstance(expected, dict):
+        assert actual.keys() == expected.keys(), (sorted(actual), sorted(expected))
+        actual, expected = [actual[k] for k in expected], list(expected.values())
+    if isinstance(expected, list | tuple):
+        actual = torch.cat([torch.as_tensor(a, dtype=torch.float64).reshape(-1) for a in actual])
+        expected = torch.cat([torch.as_tensor(e, dtype=torch.float64).reshape(-1) for e in expected])
+    actual = torch.as_tensor(actual).detach().double()
+    expected = torch.as_tensor(expected).detach().double()
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    scale = expected.norm()
+    return float((actual - expected).norm() / scale) if scale > 0 else float(actual.norm())
+
+
+def assert_relatively_close(actual, expected, bound: float = FLOAT32_BOUND) -> None:
+    """``relative_error(actual, expected) <= bound``, saying the error when it is not."""
+    error = relative_error(actual, expected)
+    assert error <= bound, f"relative error {error:.3g} > {bound:g}"
+
+
 def pack_row(samples: list[tuple[list[int], list[int]]]) -> dict[str, list[int]]:
     """One pack row from ``(input_ids, labels)`` samples, as the pack stage writes it."""
     seq_lens = [len(ids) for ids, _ in samples]
