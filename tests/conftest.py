@@ -91,6 +91,12 @@ FLOAT32_BOUND = 1e-5
 FLOAT64_BOUND = 1e-10  # the same identities computed in float64: rounding near 1e-16, far below it
 
 
+def _float64(value) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.detach().double()
+    return torch.tensor(value, dtype=torch.float64)  # a Python float keeps its 53 bits
+
+
 def relative_error(actual, expected) -> float:
     """``||actual - expected|| / ||expected||`` in float64; dicts and sequences of tensors count as one.
 
@@ -100,10 +106,9 @@ def relative_error(actual, expected) -> float:
         assert actual.keys() == expected.keys(), (sorted(actual), sorted(expected))
         actual, expected = [actual[k] for k in expected], list(expected.values())
     if isinstance(expected, list | tuple):
-        actual = torch.cat([torch.as_tensor(a, dtype=torch.float64).reshape(-1) for a in actual])
-        expected = torch.cat([torch.as_tensor(e, dtype=torch.float64).reshape(-1) for e in expected])
-    actual = torch.as_tensor(actual).detach().double()
-    expected = torch.as_tensor(expected).detach().double()
+        actual = torch.cat([_float64(a).reshape(-1) for a in actual])
+        expected = torch.cat([_float64(e).reshape(-1) for e in expected])
+    actual, expected = _float64(actual), _float64(expected)
     assert actual.shape == expected.shape, (actual.shape, expected.shape)
     scale = expected.norm()
     return float((actual - expected).norm() / scale) if scale > 0 else float(actual.norm())
