@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import datasets
+import numpy as np
 import pytest
 import torch
 from transformers import (
@@ -143,6 +144,31 @@ def count_packs(per_pack: list[list[int]]) -> list[dict[str, list[int]]]:
 
 def save_packs(path: Path, rows: list[dict]) -> Path:
     datasets.Dataset.from_list(rows).save_to_disk(str(path))
+    return path
+
+
+def make_samples(lengths: list[int], seed: int = 0, sources: list[int] | None = None) -> dict[str, list]:
+    """Pre-tokenize-shaped columns with random tokens, some labels masked, lines 1-based with gaps."""
+    rng = np.random.default_rng(seed)
+    input_ids = [rng.integers(0, 1000, n).tolist() for n in lengths]
+    labels = [[-100 if rng.random() < 0.4 else t for t in ids] for ids in input_ids]
+    return {
+        "input_ids": input_ids,
+        "labels": labels,
+        "length": lengths,
+        "num_targets": [sum(t != -100 for t in lab) for lab in labels],
+        "line": [3 * i + 1 for i in range(len(lengths))],
+        "source": sources if sources is not None else [0] * len(lengths),
+    }
+
+
+def save_samples(columns: dict[str, list], path: Path) -> Path:
+    """``columns`` saved as pre-tokenize saves its output."""
+    from longalign.tokenize import SAMPLE_FEATURES
+
+    # The pre-tokenize stage's own schema; several shards, so there are several record batches to gather from.
+    dataset = datasets.Dataset.from_dict(columns, features=SAMPLE_FEATURES)
+    dataset.save_to_disk(str(path), num_shards=max(1, min(3, len(dataset))))
     return path
 
 

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import SAMPLE, TOKENIZER
-from test_packing import make_samples, save_samples
+from conftest import SAMPLE, TOKENIZER, make_samples, save_samples
 
 from longalign.artifacts import (
     MARKER_NAME,

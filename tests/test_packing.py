@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import datasets
 import numpy as np
 import pyarrow as pa
 import pytest
+from conftest import make_samples, save_samples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -22,7 +22,6 @@ from longalign.packing import (
     packing_report,
     write_packs,
 )
-from longalign.tokenize import SAMPLE_FEATURES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -174,28 +173,6 @@ def test_take_rows_gathers_across_record_batches():
     )
     rows = np.array([9, 0, 5, 5, 11, 2])
     assert _take_rows(table, rows).to_pylist() == table.take(rows).to_pylist()
-
-
-def make_samples(lengths: list[int], seed: int = 0, sources: list[int] | None = None) -> dict[str, list]:
-    """Pre-tokenize-shaped columns with random tokens, some labels masked, lines 1-based with gaps."""
-    rng = np.random.default_rng(seed)
-    input_ids = [rng.integers(0, 1000, n).tolist() for n in lengths]
-    labels = [[-100 if rng.random() < 0.4 else t for t in ids] for ids in input_ids]
-    return {
-        "input_ids": input_ids,
-        "labels": labels,
-        "length": lengths,
-        "num_targets": [sum(t != -100 for t in lab) for lab in labels],
-        "line": [3 * i + 1 for i in range(len(lengths))],
-        "source": sources if sources is not None else [0] * len(lengths),
-    }
-
-
-def save_samples(columns: dict[str, list], path: Path) -> Path:
-    # The pre-tokenize stage's own schema; several shards, so there are several record batches to gather from.
-    dataset = datasets.Dataset.from_dict(columns, features=SAMPLE_FEATURES)
-    dataset.save_to_disk(str(path), num_shards=max(1, min(3, len(dataset))))
-    return path
 
 
 @pytest.fixture
