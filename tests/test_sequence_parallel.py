@@ -106,9 +106,13 @@ def test_a_name_wrapped_for_sequence_parallelism_is_not_registered_again(monkeyp
     assert longalign.patch.register("sdpa_segments") == ATTENTION_NAMES["sdpa_segments"]  # others still can
 
 
-def test_splitting_needs_deepspeed_and_a_process_group(monkeypatch):
+@needs_deepspeed
+def test_splitting_needs_a_process_group():
     with pytest.raises(ValueError, match="needs a process group: start the run with accelerate launch"):
         tiny_model(backend="sdpa_segments", sequence_parallel_size=2)
+
+
+def test_splitting_without_deepspeed_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # as if not installed
     with pytest.raises(
         ValueError, match=r"runs on DeepSpeed, which does not import .*pip install 'longalign\[sp\]'"
