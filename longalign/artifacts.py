@@ -168,11 +168,18 @@ def _umask() -> int:
     return mask
 
 
-def write_report(directory: str | os.PathLike, report: dict[str, Any]) -> Path:
-    """Write ``report`` as indented JSON to ``directory/report.json``."""
-    path = Path(directory) / REPORT_NAME
-    path.write_text(json.dumps(report, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+def write_json(path: str | os.PathLike, value: Any) -> Path:
+    """Write ``value`` as indented JSON to ``path``: readers see the old file or the whole new one."""
+    path = Path(path)
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")
+    os.replace(partial, path)
     return path
+
+
+def write_report(directory: str | os.PathLike, report: dict[str, Any]) -> Path:
+    """Write ``report`` to ``directory/report.json``."""
+    return write_json(Path(directory) / REPORT_NAME, report)
 
 
 def read_report(directory: str | os.PathLike) -> dict[str, Any]:

@@ -438,17 +438,10 @@ def _take_mix(
     chosen = mix_indices([len(rows) for rows in per_source], mix, seed)
     taken = [rows[indices] for rows, indices in zip(per_source, chosen, strict=True)]
     report = [
-        {"name": source.name, "available": len(rows), "taken": len(picked), "rule": _rule(source)}
+        {"name": source.name, "available": len(rows), "taken": len(picked), "rule": source.rule or "all"}
         for source, rows, picked in zip(mix, per_source, taken, strict=True)
     ]
     return np.sort(np.concatenate(taken)), report
-
-
-def _rule(source: Source) -> str:
-    for name in ("fraction", "num_samples", "weight"):
-        if getattr(source, name) is not None:
-            return f"{name} {getattr(source, name)}"
-    return "all"
 
 
 def _check_lengths_match(lengths: np.ndarray, input_ids: pa.ChunkedArray, lines: np.ndarray) -> None:

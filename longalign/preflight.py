@@ -26,7 +26,6 @@ runs it after building the trainer when ``[training] preflight`` is true, or uns
 from __future__ import annotations
 
 import fnmatch
-import hashlib
 import importlib.metadata
 import json
 import os
@@ -42,6 +41,7 @@ import torch.distributed as dist
 from longalign.attention import resolve_backend
 from longalign.batching import PackBatchSampler, pack_costs, packs_fingerprint
 from longalign.config import Config
+from longalign.fingerprints import digest, tokenizer_digests
 from longalign.redact import redact
 
 # Checked by default; ``*`` matches any suffix. Secret values are shown as a hash (longalign.redact).
@@ -187,7 +187,7 @@ def config_check(cfg: Config) -> Check:
         for key, value in table.items()
     }
     shown = {key: redact(key, value) for key, value in flat.items()}  # the detail may reach a message
-    return Check("config", _digest(json.dumps(flat, sort_keys=True)), fix=FIX_CONFIG, detail=shown)
+    return Check("config", digest(flat), fix=FIX_CONFIG, detail=shown)
 
 
 def tokenizer_check(tokenizer: Any) -> Check:
@@ -195,10 +195,8 @@ def tokenizer_check(tokenizer: Any) -> Check:
 
     ``detail`` separates the two, so a failure says which one differs.
     """
-    vocab = sorted(tokenizer.get_vocab().items())
-    template = json.dumps(tokenizer.chat_template, sort_keys=True)
-    detail = {"vocabulary": _digest(json.dumps(vocab)), "chat template": _digest(template)}
-    value = f"{len(vocab)} tokens, {_digest(json.dumps(detail, sort_keys=True))}"
+    detail = tokenizer_digests(tokenizer)
+    value = f"{len(tokenizer.get_vocab())} tokens, {digest(detail)}"
     return Check("tokenizer", value, fix=FIX_TOKENIZER, detail=detail)
 
 
@@ -239,7 +237,7 @@ def sequence_parallel_checks(
         batch = next(iter(sampler))
         indices = [int(index) for index, _ in batch]
         cu_seqlens = [list(packs[index]["cu_seqlens"]) for index in indices]
-        value = f"group {group}: packs {indices}, cu_seqlens {_digest(json.dumps(cu_seqlens))}"
+        value = f"group {group}: packs {indices}, cu_seqlens {digest(cu_seqlens)}"
         return Check("first packs", value, fix=FIX_GROUP, group=group)
 
     return [split, attempt("first packs", first_packs, FIX_GROUP)]
@@ -455,10 +453,6 @@ def _row(cells: tuple[str, str, str, str], widths: list[int]) -> str:
     return (
         "  ".join(cell.ljust(width) for cell, width in zip(cells[:3], widths, strict=True)) + "  " + cells[3]
     )
-
-
-def _digest(text: str, length: int = 12) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:length]
 
 
 def _available_host_memory() -> int:

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from transformers import TrainingArguments
 
-from longalign.artifacts import staging_dir
+from longalign.artifacts import staging_dir, write_json
 from longalign.config import Config
 from longalign.errors import ConfigError
 from longalign.probe_step import ERROR, FITS, OUT_OF_MEMORY
@@ -475,7 +475,7 @@ def _report(
         "results": entries,
     }
     request.output.parent.mkdir(parents=True, exist_ok=True)
-    request.output.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    write_json(request.output, summary)
     say(f"wrote {request.output}")
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import hashlib
 import importlib.util
 import json
 import os
@@ -40,6 +39,7 @@ from longalign.batching import EXACT_WEIGHTINGS, packs_fingerprint
 from longalign.chat_template import open_tokenizer
 from longalign.config import RESERVED_TRAINING_ARGS, Config, LoraConfig
 from longalign.errors import ConfigError, InputError, LongAlignError
+from longalign.fingerprints import digest, tokenizer_digests
 from longalign.labels import IGNORE_INDEX
 from longalign.loss import linear_head
 from longalign.packing import write_packs
@@ -200,7 +200,7 @@ def prepare(which: str, cfg: Config, args: TrainingArguments, tokenizer=None) ->
     if not sources or not sources[0].path:
         raise ConfigError("data.train_file: set it (or [[data.sources]]) to the training data")
     stages = [_stage_kind(source) for source in sources]
-    mixing = len(sources) > 1 or any(_rule(source) for source in sources)
+    mixing = len(sources) > 1 or any(source.rule is not None for source in sources)
     if stages[0] == "packed" and not mixing:
         for key in ("min_seq_len", "max_seq_len_filter"):
             if cfg.source(f"data.{key}") != "default":
@@ -223,7 +223,7 @@ def prepare(which: str, cfg: Config, args: TrainingArguments, tokenizer=None) ->
                 "truncation": cfg.data.raw_truncation,
                 "num_proc": cfg.data.num_proc,
             }
-            key = _digest([[fingerprint(s) for s in sources], _tokenizer_digest(tokenizer), settings])
+            key = digest([[fingerprint(s) for s in sources], tokenizer_digests(tokenizer), settings])
             tokenized = cache_root / f"tokenized-{key}"
             if not tokenized.exists():
                 # Nodes on shared storage may prepare at once: the first complete copy wins.
@@ -240,7 +240,7 @@ def prepare(which: str, cfg: Config, args: TrainingArguments, tokenizer=None) ->
         }
         mix = sources if mixing else None
         state = [(tokenized / name).read_text() for name in ("state.json", "report.json")]
-        key = _digest([state, settings, [dataclasses.asdict(s) for s in mix or []]])
+        key = digest([state, settings, [dataclasses.asdict(s) for s in mix or []]])
         packed = cache_root / f"packed-{key}"
         if not packed.exists():
             write_packs(tokenized, packed, **settings, mix=mix, replace=False)
@@ -255,19 +255,6 @@ def _stage_kind(source: Source) -> str | None:
     if "cu_seqlens" in columns:
         return "packed"
     return "tokenized" if {"input_ids", "length"} <= set(columns) else None
-
-
-def _rule(source: Source) -> bool:
-    return any(getattr(source, name) is not None for name in ("weight", "num_samples", "fraction"))
-
-
-def _digest(value: Any) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:12]
-
-
-def _tokenizer_digest(tokenizer) -> str:
-    """The vocabulary (added tokens included) and the chat template: what decides the tokenization."""
-    return _digest([sorted(tokenizer.get_vocab().items()), tokenizer.chat_template])
 
 
 def check_packs(packs, path: str, cfg: Config):

@@ -61,6 +61,14 @@ class Source:
             raise InputError(f"{self.path}: fraction must be between 0 and 1, got {self.fraction}")
 
     @property
+    def rule(self) -> str | None:
+        """How much the mix takes, as reports write it (``"fraction 0.5"``); ``None``: all of it."""
+        for name in ("fraction", "num_samples", "weight"):
+            if getattr(self, name) is not None:
+                return f"{name} {getattr(self, name)}"
+        return None
+
+    @property
     def name(self) -> str:
         """How reports and errors name it: the path, with its split when one is set."""
         return f"{self.path}[{self.split}]" if self.split else self.path

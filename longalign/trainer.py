@@ -46,13 +46,6 @@ from longalign.loss import HeadReader, linear_head, weighted_loss_sum
 CHECKPOINT_RECORD = "longalign_checkpoint.json"
 
 
-def write_json_atomically(path: Path, value: Any) -> None:
-    """Write ``value`` as JSON to ``path``: readers see the old file or the whole new one, never a part."""
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")
-    os.replace(partial, path)
-
-
 class LongAlignTrainer(Trainer):
     """Trainer over pack rows with sequence- or token-level weighting normalised over the whole step.
 
@@ -143,7 +136,7 @@ class LongAlignTrainer(Trainer):
             return
         run_dir = self._get_output_dir(trial=trial)
         record = {"complete": True, "step": self.state.global_step, **self.run_record}
-        write_json_atomically(
+        write_json(
             Path(run_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}" / CHECKPOINT_RECORD, record
         )
         rotate_checkpoints(
