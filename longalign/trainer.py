@@ -28,8 +28,6 @@ only then are old checkpoints rotated out.
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -39,6 +37,7 @@ from torch.utils.data import DataLoader
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
+from longalign.artifacts import write_json
 from longalign.batching import PackCollator, PackDataLoader, pack_loader
 from longalign.errors import ConfigError
 from longalign.loss import HeadReader, linear_head, weighted_loss_sum
