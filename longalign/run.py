@@ -133,8 +133,11 @@ def load_model(cfg: Config, device: torch.device | None = None) -> torch.nn.Modu
 
 def check_sequence_parallel(
     cfg: Config, world_size: int, *, parallelism: Any = None, environ: Mapping[str, str] = os.environ
-) -> None:
-    """Refuse a ``training.sequence_parallel_size`` this run cannot use, in one line naming every reason.
+) -> list[list[int]]:
+    """The ranks that share each pack, or a refusal of ``training.sequence_parallel_size`` in one line
+    naming every reason it cannot run.
+
+        sequence_parallel_size 2 on 4 ranks  ->  [[0, 1], [2, 3]]      (1: every rank alone)
 
     Checked before any work, from the run file, the launch and the model's config: the world size splits
     into groups of N ranks, the model's heads split over N ranks (``longalign.patch.
@@ -144,8 +147,9 @@ def check_sequence_parallel(
     is installed.
     """
     size = cfg.training.sequence_parallel_size
+    groups = [list(range(start, min(start + size, world_size))) for start in range(0, world_size, size)]
     if size == 1:
-        return
+        return groups
     found = []
     if world_size % size:
         found.append(
@@ -174,6 +178,7 @@ def check_sequence_parallel(
         found.append("it runs on DeepSpeed, which is not installed: pip install 'longalign[sp]'")
     if found:
         raise ConfigError(f"training.sequence_parallel_size = {size} cannot run: {'; '.join(found)}")
+    return groups
 
 
 def resolve_packs(which: str, cfg: Config, args: TrainingArguments, tokenizer=None):

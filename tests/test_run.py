@@ -95,11 +95,13 @@ def test_sequence_parallel_takes_only_the_exact_weightings():
 
 
 def test_sequence_parallel_fits_the_demo_model_in_groups_of_two_and_four():
-    check_sequence_parallel(load_config(DEMO), 3)  # off: nothing to check
-    check_sequence_parallel(load_config(DEMO, ["training.sequence_parallel_size=2"]), 4)
-    check_sequence_parallel(
-        load_config(DEMO, ["training.sequence_parallel_size=4"]), 4
-    )  # 2 KV heads, each twice
+    assert check_sequence_parallel(load_config(DEMO), 3) == [[0], [1], [2]]  # off: every rank alone
+    assert check_sequence_parallel(load_config(DEMO, ["training.sequence_parallel_size=2"]), 4) == [
+        [0, 1],
+        [2, 3],
+    ]
+    four = load_config(DEMO, ["training.sequence_parallel_size=4"])
+    assert check_sequence_parallel(four, 4) == [[0, 1, 2, 3]]  # 2 KV heads, each on two ranks
     with pytest.raises(ConfigError, match="its 4 attention heads are not a multiple of 8"):
         check_sequence_parallel(load_config(DEMO, ["training.sequence_parallel_size=8"]), 8)
 
