@@ -230,6 +230,8 @@ def prepare(which: str, cfg: Config, args: TrainingArguments, tokenizer=None) ->
             "max_seq_len": cfg.data.max_seq_len,
             "strategy": packing.strategy,
             "batch_size": packing.batch_size if packing.strategy == "sorted" else 1,
+            # Only greedy packs differently when sorted first; the others sort anyway.
+            "sort_by_length": packing.sort_by_length and packing.strategy == "greedy",
             "seed": packing.seed,
             "drop_long": packing.drop_long,
             "min_sample_len": cfg.data.min_seq_len,

@@ -357,11 +357,13 @@ def test_dry_run_prints_settings_with_sources_and_the_packing(tmp_path, chats, c
 
     long_path, _ = chats
     argv = ["train", "--config", str(DEMO), f"data.train_file='{long_path}'", f"model.tokenizer='{TOKENIZER}'",
-            f"training.output_dir='{tmp_path / 'run'}'", "data.sort_by_length=true", "--dry-run"]  # fmt: skip
+            f"training.output_dir='{tmp_path / 'run'}'", "data.packing=false", "data.sort_by_length=true",
+            "--dry-run"]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
     strategy = next(line for line in out.splitlines() if line.strip().startswith("packing.strategy"))
-    assert '"sorted"' in strategy and strategy.endswith("command line (as data.sort_by_length)")
+    assert '"sorted"' in strategy
+    assert strategy.endswith("command line (as data.packing) + command line (as data.sort_by_length)")
     assert "lines read     40" in out and "strategy       sorted" in out
     assert out.rstrip().endswith("dry run: no model weights loaded, nothing trained")
     assert not (tmp_path / "run" / "checkpoint-1").exists()
