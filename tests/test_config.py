@@ -157,30 +157,9 @@ def test_command_line_wins_over_an_alias_in_the_file(tmp_path):
     )
 
 
-# The usual LongAlign / LongWriter run file, as people write it.
-SKELETON = """
-[data]
-train_file = "data/long.jsonl"
-max_seq_len = 65536
-packing = true
-sort_by_length = true
-
-[packing]
-strategy = "greedy"
-attention_mask_type = "1d_varlen"
-
-[loss]
-normalize_by_tokens = false
-
-[model]
-model_name_or_path = "THUDM/glm-4-9b-chat"
-trust_remote_code = true
-"""
-
-
-def test_the_longalign_skeleton_is_sort_and_group(tmp_path):
+def test_the_longalign_skeleton_is_sort_and_group():
     """packing = true, sort_by_length = true and strategy = "greedy" together: sort, then pack greedily."""
-    path = write(tmp_path, SKELETON)
+    path = Path(__file__).parent / "data" / "longalign_skeleton.toml"
     cfg = load_config(path)
     assert (cfg.packing.strategy, cfg.packing.sort_by_length) == ("greedy", True)
     assert cfg.source("packing.sort_by_length") == f"{path} (as data.sort_by_length)"
