@@ -129,7 +129,8 @@ def padding_free_mask(*, attention_mask: torch.Tensor | None = None, **kwargs: A
     if attention_mask is not None and not bool(attention_mask.all()):
         raise ValueError(
             "the batch has padding (attention_mask has zeros); longalign's varlen attention expects packed rows "
-            "without padding: concatenate the samples and pass cu_seq_lens_q/k or position_ids instead"
+            "without padding: concatenate the samples and pass cu_seq_lens_q/k or position_ids, or their boundaries as a "
+            "1D int32 attention_mask [0, l1, l1+l2, ..., total], instead"
         )
     return None
 
