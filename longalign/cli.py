@@ -182,6 +182,11 @@ def _pack_arguments(parser: argparse.ArgumentParser) -> None:
         "--batch-size", type=_at_least(1), default=1, help="samples per batch (strategy sorted)"
     )
     parser.add_argument(
+        "--sort-by-length",
+        action="store_true",
+        help="order the samples by length before packing; with greedy: LongAlign's sort-and-group",
+    )
+    parser.add_argument(
         "--drop-long", action="store_true", help="leave out samples over --max-seq-len instead of failing"
     )
     parser.add_argument(
@@ -204,6 +209,7 @@ def _pack(args: argparse.Namespace) -> int:
         strategy=args.strategy,
         seed=args.seed,
         batch_size=args.batch_size,
+        sort_by_length=args.sort_by_length,
         drop_long=args.drop_long,
         min_sample_len=args.min_seq_len,
         max_sample_len=args.max_seq_len_filter,

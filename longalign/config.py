@@ -126,6 +126,10 @@ class DataConfig:
 @dataclass
 class PackingConfig:
     strategy: str = "bfd"  # bfd | ffd | greedy | sorted (LongAlign's sorted batching) | none (no packing)
+    # Order the samples by length before the strategy: with greedy, LongAlign's sort-and-group (next-fit over
+    # the sorted samples); bfd, ffd and sorted sort anyway. With packing off (strategy none) or nothing said
+    # about packing, the strategy becomes sorted.
+    sort_by_length: bool = False
     batch_size: int = 8  # samples per batch for the sorted strategy
     seed: int = 42  # pack order and sorted-batch shuffle
     drop_long: bool = False  # drop samples over max_seq_len instead of failing
@@ -298,10 +302,9 @@ class Alias:
 
 
 ALIASES = {
-    "data.packing": Alias("packing.strategy", {False: "none"}, excludes={True: ("none",)}),
-    "data.sort_by_length": Alias("packing.strategy", {True: "sorted"}, excludes={False: ("sorted",)}),
-    "packing.packing": Alias("packing.strategy", {False: "none"}, excludes={True: ("none",)}),
-    "packing.sort_by_length": Alias("packing.strategy", {True: "sorted"}, excludes={False: ("sorted",)}),
+    "data.packing": Alias("packing.strategy", {False: "none"}, excludes={True: ("none", "sorted")}),
+    "packing.packing": Alias("packing.strategy", {False: "none"}, excludes={True: ("none", "sorted")}),
+    "data.sort_by_length": Alias("packing.sort_by_length"),  # see _resolve_sorting
     "loss.normalize_by_tokens": Alias("loss.weighting", {True: "token_level", False: "sequence_level"}),
     # true lets `auto` pick flash-attn where it runs; false pins the exact per-sample path.
     "model.use_flash_attention": Alias(
@@ -394,6 +397,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
                     sources.pop(other, None)
             values[key] = value
             sources[key] = origin if written == key else f"{origin} (as {written})"
+    _resolve_sorting(values, sources, packing_on=any(_says_packing(tables) for _, tables in layers))
     built: dict[str, Any] = {}
     for name, cls in SECTIONS.items():
         if cls is LoraConfig and not any(name in tables for _, tables in layers):
@@ -405,6 +409,35 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         else:
             built[name] = cls(**table)
     return Config(**built, sources=sources)
+
+
+def _says_packing(tables: dict[str, Any]) -> bool:
+    """Whether a layer turns packing on by name (``data.packing = true`` or ``packing.packing = true``)."""
+    return any(
+        isinstance(t, dict) and t.get("packing") is True for t in (tables.get("data"), tables.get("packing"))
+    )
+
+
+def _resolve_sorting(values: dict[str, Any], sources: dict[str, str], *, packing_on: bool) -> None:
+    """Give ``packing.sort_by_length`` its meaning next to the strategy, in place.
+
+    With packing on (a packing strategy, or ``packing = true``) the samples are sorted before packing:
+    ``packing = true, sort_by_length = true, strategy = "greedy"`` is LongAlign's sort-and-group. With
+    packing off (``packing = false``: strategy ``none``), or packing not mentioned at all, it is sorted
+    batching, strategy ``sorted``. ``sort_by_length = false`` written next to strategy ``sorted`` is a
+    contradiction.
+    """
+    sort = values.get("packing.sort_by_length")
+    strategy = values.get("packing.strategy")
+    if sort is False and strategy == "sorted":
+        raise ConfigError(
+            f"packing.sort_by_length = false ({sources['packing.sort_by_length']}) contradicts "
+            f'packing.strategy = "sorted" ({sources["packing.strategy"]}), which sorts by length'
+        )
+    if sort and (strategy == "none" or (strategy is None and not packing_on)):
+        values["packing.strategy"] = "sorted"
+        how = sources["packing.sort_by_length"]
+        sources["packing.strategy"] = how if strategy is None else f"{sources['packing.strategy']} + {how}"
 
 
 def _read_toml(path: Path) -> dict[str, Any]:

@@ -238,6 +238,8 @@ def prepare(which: str, cfg: Config, args: TrainingArguments, tokenizer=None) ->
             "max_seq_len": cfg.data.max_seq_len,
             "strategy": packing.strategy,
             "batch_size": packing.batch_size if packing.strategy == "sorted" else 1,
+            # Only greedy packs differently when sorted first; the others sort anyway.
+            "sort_by_length": packing.sort_by_length and packing.strategy == "greedy",
             "seed": packing.seed,
             "drop_long": packing.drop_long,
             "min_sample_len": cfg.data.min_seq_len,
@@ -526,29 +528,153 @@ def _step_of(path: Path) -> int:
 
 
 def dry_run(cfg: Config) -> dict[str, Any]:
-    """Everything but the training: every resolved setting with its source, and the data prepared.
+    """Everything but the training, as far as this machine can check it, with no download.
 
-    Returns ``{"settings": [(key, value, source), ...], "data": {"train": {...}, "eval": {...}}}`` where
-    each data entry has the packed directory and the pre-tokenize and pack reports (those that exist).
-    No model weights are loaded: the vocabulary check reads the model's config alone.
+    Returns ``{"settings": [(key, value, source), ...], "data": {"train": {...}, "eval": {...}},
+    "needs_gpu": [...], "not_checked": [...]}``: each data entry has the packed directory and the
+    pre-tokenize and pack reports (those that exist). No model weights are loaded; the vocabulary check
+    reads the model's config alone. What cannot be checked here is listed, one line each, instead of
+    failing: settings that need a GPU on a machine without one (``needs_gpu``), and a tokenizer or model
+    config that is neither a local directory nor in the Hugging Face cache, or data files that are not
+    on this machine (``not_checked``). A machine where people plan GPU jobs has neither GPU nor data.
     """
-    args = training_arguments(cfg)
+    args, needs_gpu = dry_run_arguments(cfg)
+    not_checked: list[str] = []
     try:
-        tokenizer = load_tokenizer(cfg)
+        tokenizer = _local_tokenizer(cfg, not_checked)
+        vocab_size = _local_vocab_size(cfg, not_checked)
         data = {}
         for which in ("train", "eval") if cfg.data.eval_file else ("train",):
+            sources = cfg.data.train_sources() if which == "train" else [Source(cfg.data.eval_file)]
+            missing = [source.path for source in sources if _missing(source.path)]
+            if missing:
+                not_checked.append(
+                    f"{which} data: {', '.join(missing)} not found here; not prepared or checked"
+                )
+                continue
+            if tokenizer is None and any(_stage_kind(source) is None for source in sources):
+                not_checked.append(
+                    f"{which} data: raw chats, and pre-tokenizing needs the tokenizer; not prepared"
+                )
+                continue
             path = prepare(which, cfg, args, tokenizer)
             packs = check_packs(load_stage(path), str(path), cfg)
-            check_vocabulary(model_config(cfg).get_text_config().vocab_size, packs, f"the {which} data")
+            if vocab_size is not None:
+                check_vocabulary(vocab_size, packs, f"the {which} data")
             reports = {"pack": read_report(path) if (path / REPORT_NAME).exists() else None}
             tokenized = Path(reports["pack"]["input"]) if reports["pack"] else None
             reports["pre_tokenize"] = (
                 read_report(tokenized) if tokenized and (tokenized / REPORT_NAME).exists() else None
             )
             data[which] = {"path": str(path), **reports}
-        return {"settings": resolved_settings(cfg), "data": data}
+        return {
+            "settings": resolved_settings(cfg),
+            "data": data,
+            "needs_gpu": needs_gpu,
+            "not_checked": not_checked,
+        }
     finally:
         close()
+
+
+# TrainingArguments switches that need a CUDA device: always, or unless the run trains on the CPU (bf16).
+_GPU_TRAINING_ARGS = {
+    "bf16": False,
+    "bf16_full_eval": False,
+    "fp16": True,
+    "fp16_full_eval": True,
+    "tf32": True,
+}
+
+
+def gpu_settings(cfg: Config) -> list[str]:
+    """The settings of ``cfg`` that need a CUDA GPU, as ``key = value`` (precision, tf32, kernels, QLoRA)."""
+    args = cfg.training.args
+    found = [
+        f"training.{name} = true"
+        for name, always in _GPU_TRAINING_ARGS.items()
+        if args.get(name) is True and (always or not args.get("use_cpu"))
+    ]
+    if cfg.model.attn_backend in ("flash_attn", "flash_attn_cute", "torch_varlen"):
+        found.append(f'model.attn_backend = "{cfg.model.attn_backend}"')
+    if cfg.lora is not None:
+        found += [
+            f"lora.{name} = true" for name in ("load_in_4bit", "load_in_8bit") if getattr(cfg.lora, name)
+        ]
+    return found
+
+
+def dry_run_arguments(cfg: Config) -> tuple[TrainingArguments, list[str]]:
+    """The run's ``TrainingArguments`` as this machine can build them, and the settings it cannot check.
+
+    Without a CUDA device the switches that need one are turned off to check everything else (transformers
+    refuses bf16 and tf32 without a GPU), and every GPU-only setting is returned to be listed; with one,
+    nothing is left out.
+    """
+    if torch.cuda.is_available():
+        return training_arguments(cfg), []
+    needs_gpu = gpu_settings(cfg)
+    off = {name: False for name in _GPU_TRAINING_ARGS if f"training.{name} = true" in needs_gpu}
+    view = dataclasses.replace(cfg.training, args={**cfg.training.args, **off})
+    return training_arguments(dataclasses.replace(cfg, training=view)), needs_gpu
+
+
+def local_copy(name: str, filename: str) -> Path | None:
+    """Where ``name`` (a directory or a Hub id) is on this machine, without touching the network.
+
+    That is the path itself, or the snapshot in the Hugging Face cache that holds ``filename``; ``None``
+    when neither.
+    """
+    from huggingface_hub import try_to_load_from_cache
+
+    path = Path(name).expanduser()
+    if path.exists():
+        return path
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        return None
+    try:
+        found = try_to_load_from_cache(name, filename)
+    except ValueError:  # not a valid repository id
+        return None
+    return Path(found).parent if isinstance(found, str) else None
+
+
+def _local_tokenizer(cfg: Config, not_checked: list[str]):
+    """The run's tokenizer from a local directory or the cache; ``None`` (and a line in ``not_checked``) if absent."""
+    name = cfg.model.tokenizer or cfg.model.model_name_or_path
+    if not name:
+        return load_tokenizer(cfg)  # says what to set
+    where = local_copy(name, "tokenizer_config.json")
+    if where is None:
+        not_checked.append(f"tokenizer {name}: not a local directory nor in the Hugging Face cache")
+        return None
+    return load_tokenizer(
+        dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, tokenizer=str(where)))
+    )
+
+
+def _local_vocab_size(cfg: Config, not_checked: list[str]) -> int | None:
+    """The model's vocabulary size from its config, read locally; ``None`` (and a line in ``not_checked``) if absent."""
+    name = cfg.model.model_name_or_path
+    if cfg.model.init_from_config is None:
+        where = local_copy(name, "config.json")
+        if where is None:
+            not_checked.append(
+                f"model {name}: its config.json is not a local file nor in the Hugging Face cache, so the data's "
+                "token ids were not checked against its vocabulary"
+            )
+            return None
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, model_name_or_path=str(where)))
+    return model_config(cfg).get_text_config().vocab_size
+
+
+def _missing(path: str) -> bool:
+    """Whether a data source names a local path that is not on this machine."""
+    try:
+        kind(path)
+    except InputError:
+        return not Path(path).exists()
+    return False
 
 
 def resolved_settings(cfg: Config) -> list[tuple[str, Any, str]]:

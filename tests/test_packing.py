@@ -107,6 +107,40 @@ def test_greedy_keeps_the_last_pack():
     assert sorted(pack(np.array([3, 2, 4, 6, 1]), 6, "greedy")) == [[0, 1], [2], [3], [4]]
 
 
+@settings(max_examples=100, deadline=None)
+@given(budgets_and_lengths)
+def test_greedy_sorted_by_length_is_next_fit_over_the_sorted_samples(case):
+    """LongAlign's sort-and-group: packs hold runs of the length-sorted samples, cut where the next one
+    does not fit."""
+    max_len, lengths = case
+    packs = pack(np.array(lengths, dtype=np.int64), max_len, "greedy", sort_by_length=True)
+    # Back in the order packed: of packs holding one length only, the fuller one was filled first.
+    packs = sorted(packs, key=lambda p: (lengths[p[0]], lengths[p[-1]], -sum(lengths[i] for i in p)))
+    order = [i for p in packs for i in p]
+    assert sorted(order) == list(range(len(lengths)))
+    assert [lengths[i] for i in order] == sorted(lengths)
+    for current, following in zip(packs, packs[1:], strict=False):
+        assert sum(lengths[i] for i in current) + lengths[following[0]] > max_len
+
+
+def test_greedy_sorted_by_length_docstring_example():
+    assert sorted(pack(np.array([4, 1, 3, 2]), 5, "greedy")) == [[0, 1], [2, 3]]
+    assert sorted(pack(np.array([4, 1, 3, 2]), 5, "greedy", sort_by_length=True)) == [[0], [1, 3], [2]]
+
+
+@pytest.mark.parametrize("strategy", ["bfd", "ffd", "sorted"])
+def test_sort_by_length_changes_nothing_for_strategies_that_sort(strategy):
+    lengths = np.random.default_rng(1).integers(1, 512, 500)
+    batch_size = 4 if strategy == "sorted" else 1
+    plain = pack(lengths, 1024, strategy, seed=5, batch_size=batch_size)
+    assert pack(lengths, 1024, strategy, seed=5, batch_size=batch_size, sort_by_length=True) == plain
+
+
+def test_sort_by_length_without_packing_is_refused():
+    with pytest.raises(ValueError, match="sorted batching is strategy 'sorted'"):
+        pack(np.array([3, 2]), 8, "none", sort_by_length=True)
+
+
 def test_bfd_docstring_example():
     assert sorted(pack(np.array([6, 5, 4, 3, 2]), 10, "bfd")) == [[0, 2], [1, 3, 4]]
 

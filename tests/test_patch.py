@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 import types
 
 import pytest
@@ -13,6 +14,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 import longalign.patch
 import longalign.patch.interface
+from longalign.errors import InputError
 from longalign.patch import ATTENTION_NAMES, UnsupportedModelError, apply, check_model
 
 VOCAB = TINY["vocab_size"]
@@ -213,8 +215,74 @@ def test_unpacked_rows_need_no_boundaries_and_multi_row_packs_are_refused():
         alone = torch.cat([model(input_ids=row[None]).logits for row in input_ids])
     assert_relatively_close(rows, alone, FLOAT64_BOUND)
     batch = packed_batch([3, 3]) | {"input_ids": input_ids, "position_ids": torch.arange(3).repeat(2, 2)}
-    with pytest.raises(ValueError, match="concatenate the packs into a single row"):
+    with pytest.raises(ValueError, match="or concatenate the packs into a single row"):
         model(**batch)
+
+
+def patched_and_eager(kind: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A patched tiny model in float64, and an unpatched sdpa copy of it to run samples alone.
+
+    Not eager: transformers' eager attention takes its softmax in float32 whatever the model's dtype.
+    """
+    model = model_of(kind).double()
+    reference = copy.deepcopy(model)
+    reference.set_attn_implementation("sdpa")
+    reference.config.use_cache = False
+    return apply(model), reference
+
+
+@pytest.mark.parametrize("kind", ["llama", "glm", "glm4"])
+def test_the_recipe_s_forward_call_reads_a_1d_mask_as_cu_seqlens(kind):
+    """LongAlign's check of a patched model: one packed row, its boundaries as a 1D int32 attention_mask."""
+    model, reference = patched_and_eager(kind)
+    ids = packed_batch(LENGTHS)["input_ids"]
+    with torch.no_grad():
+        packed = model(
+            input_ids=ids, attention_mask=torch.tensor([0, 7, 8, 20, 25], dtype=torch.int32)
+        ).logits
+        alone = torch.cat(
+            [reference(input_ids=ids[:, part]).logits for part in sample_slices(LENGTHS)], dim=1
+        )
+    assert packed.shape == (1, sum(LENGTHS), VOCAB)
+    torch.testing.assert_close(packed, alone, atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("kind", ["llama", "glm", "glm4"])
+def test_a_1d_mask_over_several_rows_marks_the_flattened_tokens(kind):
+    """input_ids [2, 10] with boundaries over all 20 tokens; the third sample runs from row 0 into row 1."""
+    model, reference = patched_and_eager(kind)
+    lengths = [7, 1, 5, 7]
+    ids = packed_batch(lengths)["input_ids"]
+    mask = torch.tensor([0, 7, 8, 13, 20])
+    with torch.no_grad():
+        rows = model(input_ids=ids.view(2, 10), attention_mask=mask).logits
+        alone = torch.cat(
+            [reference(input_ids=ids[:, part]).logits for part in sample_slices(lengths)], dim=1
+        )
+    assert rows.shape == (2, 10, VOCAB)
+    torch.testing.assert_close(rows, alone.view(2, 10, VOCAB), atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize(
+    "mask, message",
+    [
+        (torch.tensor([0.0, 7.0, 25.0]), "has dtype torch.float32; it must be an integer tensor"),
+        (torch.tensor([True, False]), "has dtype torch.bool"),
+        (torch.tensor([25]), r"has fewer than 2 entries; it needs at least \[0, 25\]"),
+        (torch.tensor([3, 7, 25]), "starts at 3, not 0"),
+        (torch.tensor([0, 7, 7, 25]), "is not strictly increasing: entry 2 is 7 after 7"),
+        (torch.tensor([0, 9, 7, 25]), "is not strictly increasing: entry 2 is 7 after 9"),
+        (torch.tensor([0, 7, 24], dtype=torch.int32), "ends at 24, not at 25"),
+        (torch.tensor([0, 7, 26]), "ends at 26, not at 25"),
+    ],
+)
+def test_a_1d_mask_that_is_not_boundaries_is_a_one_line_error(mask, message):
+    model = apply(model_of("llama"))
+    with pytest.raises(
+        InputError, match="read as cu_seqlens for input_ids \\[1, 25\\] \\(25 tokens\\)"
+    ) as error:
+        model(input_ids=packed_batch(LENGTHS)["input_ids"], attention_mask=mask)
+    assert re.search(message, str(error.value)) and "\n" not in str(error.value)
 
 
 def test_autocast_mixed_precision_runs_through_the_patch():
