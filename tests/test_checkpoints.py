@@ -519,3 +519,15 @@ def test_run_file_pre_tokenizes_trains_and_saves_in_the_chatglm_layout(tmp_path,
         chats[row["line"] - 1], tokenize=False
     )
     assert row["input_ids"] == reference.encode(rendered, allowed_special="all")[: len(row["input_ids"])]
+
+
+def test_convert_command(tmp_path, glm4_dir, capsys):
+    from longalign.cli import main
+
+    assert main(["convert", str(glm4_dir), str(tmp_path / "native")]) == 0
+    assert "in the native layout" in capsys.readouterr().out
+    assert main(["convert", str(tmp_path / "nowhere"), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"longalign convert: error: {tmp_path / 'nowhere'}: no config.json there "
+        "(a checkpoint directory, or a Hub id in the local cache)"
+    )

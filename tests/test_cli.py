@@ -12,7 +12,7 @@ from test_packing import make_samples, save_samples
 
 from longalign.cli import COMMANDS, PLOT_NAME, main
 
-SUBCOMMANDS = ["pre-tokenize", "pack", "train", "probe", "preflight", "merge"]
+SUBCOMMANDS = ["pre-tokenize", "pack", "train", "probe", "preflight", "merge", "convert"]
 
 
 def test_help_lists_the_subcommands(capsys):
