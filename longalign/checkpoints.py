@@ -475,12 +475,21 @@ def native_weights(
     return native
 
 
-def layout_note(name: str, *, trust_remote_code: bool = False) -> str | None:
-    """One line for the preflight and probe when ``name`` is in the ChatGLM layout; None for native ones."""
+def layout_note(name: str, *, trust_remote_code: bool = False, save_format: str = "auto") -> str | None:
+    """One line for the run, the preflight and the probe when ``name`` is in the ChatGLM layout; else None.
+
+    ``ChatGLM layout, read as GlmForCausalLM (weights renamed in memory, its code not run); saved back in
+    the ChatGLM layout; trust_remote_code is not needed for it``
+    """
     checkpoint = find_checkpoint(name, trust_remote_code=trust_remote_code)
     if checkpoint.layout != CHATGLM:
         return None
-    note = "ChatGLM layout, read as GlmForCausalLM (its code is not run)"
+    saved = (
+        "saved as GlmForCausalLM (model.save_format = native)"
+        if save_format == NATIVE
+        else "saved back in the ChatGLM layout"
+    )
+    note = f"ChatGLM layout, read as GlmForCausalLM (weights renamed in memory, its code not run); {saved}"
     return note + ("; trust_remote_code is not needed for it" if trust_remote_code else "")
 
 

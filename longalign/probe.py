@@ -38,6 +38,7 @@ import torch.distributed as dist
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from longalign.artifacts import staging_dir
+from longalign.checkpoints import layout_note
 from longalign.config import Config, load_config
 from longalign.redact import redact_override
 from longalign.run import build_trainer, load_tokenizer
@@ -500,6 +501,12 @@ def ladder(request: ProbeRequest, cfg: Config, say: Callable[[str], None]) -> in
     ranks.say(
         f"probe of {request.config}: {ranks.world} rank(s), {per_rank} pack(s) of each length per {holder} and step"
     )
+    mc = cfg.model
+    note = mc.model_name_or_path and layout_note(
+        mc.model_name_or_path, trust_remote_code=mc.trust_remote_code, save_format=mc.save_format
+    )
+    if note:
+        ranks.say(f"model: {note}")
     compare = request.compare_full
     ranks.say(format_row(None, compare_full=compare))
     full_fits = compare  # full fine-tuning is run until its first failure

@@ -447,7 +447,7 @@ def _lifecycle(trainer: LongAlignTrainer, cfg: Config) -> int:
     if trainer.is_world_process_zero():
         mc = cfg.model
         note = mc.model_name_or_path and checkpoints.layout_note(
-            mc.model_name_or_path, trust_remote_code=mc.trust_remote_code
+            mc.model_name_or_path, trust_remote_code=mc.trust_remote_code, save_format=mc.save_format
         )
         if note:
             print(f"model: {note}", flush=True)

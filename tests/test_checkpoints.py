@@ -531,3 +531,16 @@ def test_convert_command(tmp_path, glm4_dir, capsys):
         f"longalign convert: error: {tmp_path / 'nowhere'}: no config.json there "
         "(a checkpoint directory, or a Hub id in the local cache)"
     )
+
+
+def test_preflight_names_the_layout(tmp_path, glm4_dir):
+    from longalign.config import load_config
+    from longalign.preflight import layout_check
+
+    run_file = tmp_path / "run.toml"
+    run_file.write_text(f'[model]\nmodel_name_or_path = "{glm4_dir}"\nsave_format = "native"\n')
+    check = layout_check(load_config(run_file, [f"training.output_dir={json.dumps(str(tmp_path))}"]))
+    assert check.value == (
+        "ChatGLM layout, read as GlmForCausalLM (weights renamed in memory, its code not run); "
+        "saved as GlmForCausalLM (model.save_format = native)"
+    )
