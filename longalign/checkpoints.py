@@ -386,6 +386,202 @@ def to_chatglm(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def module_to_chatglm(name: str) -> str:
+    """A ``GlmForCausalLM`` module's name in the ChatGLM layout (``model.norm`` -> ``transformer.encoder.final_layernorm``)."""
+    top = {native[:-7]: chatglm[:-7] for chatglm, native in _TOP_NAMES.items()}
+    inner = {native[:-7]: chatglm[:-7] for chatglm, native in _LAYER_NAMES.items()}
+    match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+    if name in top:
+        return top[name]
+    if match and match[2] in inner:
+        return f"transformer.encoder.layers.{match[1]}.{inner[match[2]]}"
+    raise ModelError(f"{name}: a GlmForCausalLM module with no single counterpart in the ChatGLM layout")
+
+
+def module_to_native(name: str) -> str:
+    """A ChatGLM-layout module's name in ``GlmForCausalLM`` (the inverse of :func:`module_to_chatglm`)."""
+    top = {chatglm[:-7]: native[:-7] for chatglm, native in _TOP_NAMES.items()}
+    inner = {chatglm[:-7]: native[:-7] for chatglm, native in _LAYER_NAMES.items()}
+    match = _LAYER.fullmatch(name)
+    if name in top:
+        return top[name]
+    if match and match[2] in inner:
+        return f"model.layers.{match[1]}.{inner[match[2]]}"
+    raise ModelError(f"{name}: a ChatGLM module with no single counterpart in GlmForCausalLM")
+
+
+PEFT_PREFIX = "base_model.model."  # peft's prefix of every saved adapter tensor
+_QKV_MODULE = "self_attention.query_key_value"
+_ADAPTER_TARGETS = {
+    "q_proj": "query_key_value",
+    "k_proj": "query_key_value",
+    "v_proj": "query_key_value",
+    "o_proj": "dense",
+    "gate_up_proj": "dense_h_to_4h",
+    "down_proj": "dense_4h_to_h",
+}
+_LORA = re.compile(r"(.+)\.lora_([AB])\.weight")
+
+
+def _check_plain_lora(settings: Mapping[str, Any], *, patterns: bool) -> None:
+    for key in (
+        "use_dora",
+        "use_rslora",
+        "lora_bias",
+        "fan_in_fan_out",
+        "layers_to_transform",
+        "trainable_token_indices",
+    ):
+        if settings.get(key):
+            raise ModelError(
+                f"adapter_config.json: {key} = {json.dumps(settings[key])}: only plain LoRA adapters change layout"
+            )
+    for key in ("rank_pattern", "alpha_pattern") if patterns else ():
+        if settings.get(key):
+            raise ModelError(f"adapter_config.json: {key} is set: only adapters with one rank change layout")
+    if not isinstance(settings.get("target_modules"), list):
+        raise ModelError(
+            "adapter_config.json: target_modules must be a list of module names to change layout"
+        )
+
+
+def adapter_to_chatglm(
+    state: Mapping[str, torch.Tensor], settings: Mapping[str, Any], chatglm: Mapping[str, Any]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A peft LoRA adapter of ``GlmForCausalLM`` -> the same adapter for the ChatGLM layout (tensors, config).
+
+    The q, k and v adapters of a layer become one adapter on ``query_key_value`` that makes the same
+    update ``B A x alpha / r``: their A matrices stacked, their B matrices on the block diagonal, rank and
+    alpha times the number of adapted projections (``rank_pattern``, ``alpha_pattern``)::
+
+        q: A_q [r, H], B_q [h*kv, r]               query_key_value: A [3r, H] = [A_q; A_k; A_v]
+        k: A_k [r, H], B_k [g*kv, r]      ->                         B [(h+2g)*kv, 3r] = diag(B_q, B_k, B_v)
+        v: A_v [r, H], B_v [g*kv, r]                                 rank 3r, alpha 3 x alpha
+    """
+    _check_plain_lora(settings, patterns=True)
+    rank, alpha = settings["r"], settings["lora_alpha"]
+    rows = dict(zip("qkv", _qkv_rows(chatglm), strict=True))
+    starts = {"q": 0, "k": rows["q"], "v": rows["q"] + rows["k"]}
+    out: dict[str, torch.Tensor] = {}
+    whole: dict[str, torch.Tensor] = {}  # modules trained whole (modules_to_save)
+    fused: dict[str, dict[str, dict[str, torch.Tensor]]] = {}  # layer -> projection -> A/B
+    for key, tensor in state.items():
+        inner = key.removeprefix(PEFT_PREFIX)
+        lora = _LORA.fullmatch(inner)
+        qkv = lora and re.fullmatch(r"model\.layers\.(\d+)\.self_attn\.([qkv])_proj", lora[1])
+        if qkv:
+            fused.setdefault(qkv[1], {}).setdefault(qkv[2], {})[lora[2]] = tensor
+        elif lora:
+            out[f"{PEFT_PREFIX}{module_to_chatglm(lora[1])}.lora_{lora[2]}.weight"] = tensor
+        else:
+            whole[inner] = tensor
+    out |= {PEFT_PREFIX + key: tensor for key, tensor in to_chatglm(whole).items()}
+    adapted = [part for part in "qkv" if f"{part}_proj" in settings["target_modules"]]
+    for layer, parts in fused.items():
+        a = torch.cat([parts[part]["A"] for part in adapted])
+        b = a.new_zeros(sum(rows.values()), len(adapted) * rank)
+        for i, part in enumerate(adapted):
+            b[starts[part] : starts[part] + rows[part], i * rank : (i + 1) * rank] = parts[part]["B"]
+        prefix = f"{PEFT_PREFIX}transformer.encoder.layers.{layer}.{_QKV_MODULE}"
+        out |= {f"{prefix}.lora_A.weight": a, f"{prefix}.lora_B.weight": b}
+    for target in settings["target_modules"]:
+        if target not in _ADAPTER_TARGETS:
+            raise ModelError(
+                f"adapter_config.json: target module {target!r} has no counterpart in the ChatGLM layout"
+            )
+    converted = dict(settings)
+    converted["target_modules"] = sorted({_ADAPTER_TARGETS[target] for target in settings["target_modules"]})
+    converted["modules_to_save"] = [
+        module_to_chatglm(name) for name in settings.get("modules_to_save") or []
+    ] or None
+    if adapted:
+        converted["rank_pattern"] = {"query_key_value": rank * len(adapted)}
+        converted["alpha_pattern"] = {"query_key_value": alpha * len(adapted)}
+    return out, converted
+
+
+def adapter_to_native(
+    state: Mapping[str, torch.Tensor], settings: Mapping[str, Any], chatglm: Mapping[str, Any]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A peft LoRA adapter for the ChatGLM layout -> the same adapter for ``GlmForCausalLM``.
+
+    The ``query_key_value`` adapter (rank R) becomes three of rank R on q, k and v that share its A and
+    take their rows of its B: ``B_q A`` is the q rows of ``B A``, exactly.
+    """
+    _check_plain_lora(settings, patterns=False)
+    rank = settings.get("rank_pattern", {}).get("query_key_value", settings["r"])
+    alpha = settings.get("alpha_pattern", {}).get("query_key_value", settings["lora_alpha"])
+    native_targets = {
+        value: key for key, value in _ADAPTER_TARGETS.items() if key not in ("k_proj", "v_proj")
+    }
+    out: dict[str, torch.Tensor] = {}
+    whole: dict[str, torch.Tensor] = {}
+    for key, tensor in state.items():
+        inner = key.removeprefix(PEFT_PREFIX)
+        lora = _LORA.fullmatch(inner)
+        layer = lora and _LAYER.fullmatch(lora[1])
+        if layer and layer[2] == _QKV_MODULE:
+            parts = torch.split(tensor, _qkv_rows(chatglm)) if lora[2] == "B" else (tensor, tensor, tensor)
+            for part, value in zip("qkv", parts, strict=True):
+                out[f"{PEFT_PREFIX}model.layers.{layer[1]}.self_attn.{part}_proj.lora_{lora[2]}.weight"] = (
+                    value.clone()
+                )
+        elif lora:
+            out[f"{PEFT_PREFIX}{module_to_native(lora[1])}.lora_{lora[2]}.weight"] = tensor
+        else:
+            whole[inner] = tensor
+    out |= {PEFT_PREFIX + key: tensor for key, tensor in to_native(whole, chatglm).items()}
+    for target in settings["target_modules"]:
+        if target not in native_targets:
+            raise ModelError(
+                f"adapter_config.json: target module {target!r} has no counterpart in GlmForCausalLM"
+            )
+    converted = dict(settings)
+    targets = [native_targets[target] for target in settings["target_modules"]]
+    if "q_proj" in targets:
+        targets += ["k_proj", "v_proj"]
+        converted["rank_pattern"] = dict.fromkeys(("q_proj", "k_proj", "v_proj"), rank)
+        converted["alpha_pattern"] = dict.fromkeys(("q_proj", "k_proj", "v_proj"), alpha)
+    converted["target_modules"] = sorted(targets)
+    converted["modules_to_save"] = [
+        module_to_native(name) for name in settings.get("modules_to_save") or []
+    ] or None
+    return out, converted
+
+
+def is_chatglm_adapter(path: Path) -> bool:
+    """Whether the peft adapter in ``path`` is written for the ChatGLM layout."""
+    from safetensors import safe_open
+
+    with safe_open(path / "adapter_model.safetensors", "pt") as file:
+        return any(key.startswith(PEFT_PREFIX + "transformer.") for key in file.keys())
+
+
+def rewrite_adapter(path: Path, chatglm: Mapping[str, Any], *, to: str) -> None:
+    """Rewrite the peft adapter in ``path`` (``adapter_model.safetensors``, ``adapter_config.json``) for layout ``to``."""
+    from safetensors.torch import load_file, save_file
+
+    convert_adapter = adapter_to_chatglm if to == CHATGLM else adapter_to_native
+    state, settings = convert_adapter(
+        load_file(path / "adapter_model.safetensors"), _read_json(path / "adapter_config.json"), chatglm
+    )
+    save_file(
+        {key: value.contiguous() for key, value in state.items()},
+        path / "adapter_model.safetensors",
+        metadata={"format": "pt"},
+    )
+    (path / "adapter_config.json").write_text(
+        json.dumps(settings, indent=2, sort_keys=True) + "\n", encoding="utf-8"
+    )
+
+
+def copy_tokenizer_files(source: Path, output_dir: Path) -> None:
+    """Copy the ChatGLM checkpoint's tokenizer files (rank file, its config, its remote class) unchanged."""
+    for file in sorted(source.iterdir()):
+        if file.is_file() and (file.name.startswith("tokeniz") or file.name == "special_tokens_map.json"):
+            shutil.copyfile(file, output_dir / file.name)
+
+
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint in ``path``: safetensors or ``.bin`` (``weights_only``), sharded or not."""
     from safetensors.torch import load_file

@@ -414,12 +414,21 @@ def build_trainer(cfg: Config) -> LongAlignTrainer:
         pad_packs_to=cfg.data.max_seq_len if cfg.packing.pad_to_max else None,
         sequence_parallel_size=cfg.training.sequence_parallel_size,
         run_record=json.loads(json.dumps(run_record(cfg, args, train_packs), default=str)),
-        # Adapters are saved as peft writes them; a full model in the layout it was loaded in.
-        save_layout=None
-        if cfg.lora is not None
-        else checkpoints.layout_saver(
-            cfg.model.model_name_or_path, cfg.model.save_format, trust_remote_code=cfg.model.trust_remote_code
-        ),
+        save_layout=final_saver(cfg),
+    )
+
+
+def final_saver(cfg: Config):
+    """How the run writes its final model or adapter in the layout it loaded (``None``: as transformers does)."""
+    mc = cfg.model
+    if not mc.model_name_or_path:
+        return None
+    if cfg.lora is not None:
+        from longalign.lora import adapter_saver
+
+        return adapter_saver(mc.model_name_or_path, mc.save_format, trust_remote_code=mc.trust_remote_code)
+    return checkpoints.layout_saver(
+        mc.model_name_or_path, mc.save_format, trust_remote_code=mc.trust_remote_code
     )
 
 

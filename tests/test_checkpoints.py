@@ -544,3 +544,69 @@ def test_preflight_names_the_layout(tmp_path, glm4_dir):
         "ChatGLM layout, read as GlmForCausalLM (weights renamed in memory, its code not run); "
         "saved as GlmForCausalLM (model.save_format = native)"
     )
+
+
+# --- adapters ------------------------------------------------------------------------------------------
+
+
+def adapted_model(glm4_dir: Path, target_modules: list[str] | None = None):
+    """The fixture in float64 with LoRA adapters (random B, so every adapter changes its layer) and trained norms."""
+    from longalign.config import LoraConfig
+    from longalign.lora import add_adapters
+
+    settings = LoraConfig(r=2, alpha=6.0, target_modules=target_modules, trainable=["embeddings", "norms"])
+    model = add_adapters(load_model(str(glm4_dir), dtype=torch.float64), settings, base_model=str(glm4_dir))
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name or "modules_to_save" in name:
+                param.add_(torch.randn(param.shape, generator=gen, dtype=param.dtype) * 0.1)
+    return model
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("targets", [None, ["q_proj", "v_proj", "down_proj"]])
+def test_adapter_saved_for_the_chatglm_layout_makes_the_same_update(tmp_path, glm4_dir, targets):
+    from longalign.lora import adapter_saver
+
+    model = adapted_model(glm4_dir, targets)
+    adapter_saver(str(glm4_dir), "auto")(model, tmp_path / "adapter", None)
+    assert adapter_saver(str(glm4_dir), "native") is None
+    settings = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    state = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    fused = 3 if targets is None else 2
+    assert settings["rank_pattern"] == {"query_key_value": 2 * fused}
+    assert settings["alpha_pattern"] == {"query_key_value": 6.0 * fused}
+    assert "transformer.encoder.final_layernorm" in settings["modules_to_save"]
+    assert (tmp_path / "adapter" / "tokenizer.model").read_bytes() == (
+        glm4_dir / "tokenizer.model"
+    ).read_bytes()
+    base = {key: value.double() for key, value in read_weights(glm4_dir).items()}
+    merged = checkpoints.to_chatglm(model.merge_and_unload().state_dict())
+    adapted = {key.removesuffix(".lora_A.weight") for key in state if key.endswith(".lora_A.weight")}
+    assert len(adapted) == NUM_LAYERS * (4 if targets is None else 2)
+    for module in adapted:  # what the remote-code model with this adapter computes: W + B A alpha / r
+        leaf = module.rsplit(".", 1)[1]
+        scale = settings["alpha_pattern"].get(leaf, 6.0) / settings["rank_pattern"].get(leaf, 2)
+        update = scale * state[f"{module}.lora_B.weight"] @ state[f"{module}.lora_A.weight"]
+        name = module.removeprefix(checkpoints.PEFT_PREFIX) + ".weight"
+        assert relative(base[name] + update, merged[name]) < 1e-12, name
+    trained = checkpoints.PEFT_PREFIX + "transformer.embedding.word_embeddings.weight"
+    assert torch.equal(state[trained], merged["transformer.embedding.word_embeddings.weight"])
+
+
+def test_merge_writes_the_chatglm_layout_of_its_base(tmp_path, glm4_dir):
+    from longalign.lora import adapter_saver, merge_adapter
+
+    model = adapted_model(glm4_dir)
+    adapter_saver(str(glm4_dir), "auto")(model, tmp_path / "adapter", None)
+    expected = checkpoints.to_chatglm(model.merge_and_unload().state_dict())
+    merge_adapter(tmp_path / "adapter", tmp_path / "merged", dtype="float64")
+    merged = read_weights(tmp_path / "merged")
+    assert merged.keys() == expected.keys()
+    assert max(relative(merged[key], expected[key]) for key in merged) < 1e-12
+    for name in ("config.json", "tokenizer.model", "modeling_chatglm.py"):
+        assert (tmp_path / "merged" / name).read_bytes() == (glm4_dir / name).read_bytes()
