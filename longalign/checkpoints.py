@@ -200,7 +200,7 @@ def check_remote_code(checkpoint: Checkpoint, *, trust_remote_code: bool) -> Non
         return  # transformers uses its own class and ignores auto_map
     modules = sorted({str(entry).split(".")[0] for entry in _flatten(auto_map.values())})
     fix = (
-        f"set model.trust_remote_code = false to load transformers' own {model_type!r} class"
+        f"load it without trust_remote_code to use transformers' own {model_type!r} class"
         if native
         else "supported: transformers' own model types, and 'chatglm' (GLM-4-9B's layout, read as GlmForCausalLM)"
     )

@@ -441,7 +441,7 @@ def other_remote_checkpoint(path: Path, marker: Path, model_type: str) -> Path:
 
 
 @pytest.mark.parametrize(
-    ("model_type", "fix"), [("mymodel", "supported: "), ("llama", "trust_remote_code = false")]
+    ("model_type", "fix"), [("mymodel", "supported: "), ("llama", "without trust_remote_code")]
 )
 def test_other_remote_code_is_refused_before_any_import(tmp_path, marker, model_type, fix):
     from longalign.config import load_config
@@ -477,10 +477,8 @@ def test_layout_note_says_remote_code_is_not_needed(glm4_dir):
 # --- the whole run -------------------------------------------------------------------------------------
 
 
-@pytest.mark.integration
-def test_run_file_pre_tokenizes_trains_and_saves_in_the_chatglm_layout(tmp_path, glm4_dir, ranks, marker):
-    from datasets import load_from_disk
-
+def train_chatglm(tmp_path: Path, glm4_dir: Path, extra: str = "") -> Path:
+    """Two training steps of a run file naming the ChatGLM-layout directory, with trust_remote_code; the output."""
     run_file = tmp_path / "run.toml"
     run_file.write_text(
         "[data]\n"
@@ -493,7 +491,7 @@ def test_run_file_pre_tokenizes_trains_and_saves_in_the_chatglm_layout(tmp_path,
         "[model]\n"
         f'model_name_or_path = "{glm4_dir}"\n'
         "trust_remote_code = true\n"
-        'torch_dtype = "float32"\n'
+        'torch_dtype = "float32"\n' + extra
     )
     result = run_process(
         [sys.executable, str(ROOT / "train.py"), "--config", str(run_file)], timeout=600, cwd=ROOT
@@ -501,24 +499,44 @@ def test_run_file_pre_tokenizes_trains_and_saves_in_the_chatglm_layout(tmp_path,
     assert result.returncode == 0, result.stderr[-4000:]
     assert "ChatGLM layout, read as GlmForCausalLM" in result.stdout
     assert "trust_remote_code is not needed" in result.stdout
-    out = tmp_path / "run"
+    return tmp_path / "run"
+
+
+@pytest.mark.integration
+def test_run_file_pre_tokenizes_trains_and_saves_in_the_chatglm_layout(tmp_path, glm4_dir, ranks):
+    from datasets import load_from_disk
+
+    out = train_chatglm(tmp_path, glm4_dir)
     for name in ("config.json", "tokenizer.model", "tokenizer_config.json", "modeling_chatglm.py"):
         assert (out / name).read_bytes() == (glm4_dir / name).read_bytes()
-    saved = read_weights(out)
-    assert saved.keys() == read_weights(glm4_dir).keys() - {"transformer.rotary_pos_emb.inv_freq"}
-    assert not torch.equal(
-        saved["transformer.output_layer.weight"], read_weights(glm4_dir)["transformer.output_layer.weight"]
-    )
+    saved, original = read_weights(out), read_weights(glm4_dir)
+    assert saved.keys() == original.keys() - {"transformer.rotary_pos_emb.inv_freq"}
+    key = "transformer.output_layer.weight"
+    assert not torch.equal(saved[key], original[key])  # trained
     assert (out / "checkpoint-2" / "model.safetensors").is_file()  # checkpoints stay resumable
-    tokenized = next((out / "data").glob("tokenized-*"))
-    dataset = load_from_disk(str(tokenized))
+    dataset = load_from_disk(str(next((out / "data").glob("tokenized-*"))))
     chats = [json.loads(line)["messages"] for line in SAMPLE.read_text().splitlines()]
-    reference = encoding(ranks)
-    row = dataset[0]
-    rendered = checkpoints.rank_file_tokenizer(glm4_dir).apply_chat_template(
-        chats[row["line"] - 1], tokenize=False
-    )
-    assert row["input_ids"] == reference.encode(rendered, allowed_special="all")[: len(row["input_ids"])]
+    tokenizer, reference = checkpoints.rank_file_tokenizer(glm4_dir), encoding(ranks)
+    for row in dataset.select(range(5)):
+        rendered = tokenizer.apply_chat_template(chats[row["line"] - 1], tokenize=False)
+        # The last answer is closed with <|endoftext|> (the template has no end-of-turn token); long rows are cut.
+        expected = reference.encode(rendered, allowed_special="all") + [len(ranks)]
+        assert row["input_ids"] == expected[: len(row["input_ids"])]
+
+
+@pytest.mark.integration
+def test_lora_run_saves_an_adapter_for_the_chatglm_layout(tmp_path, glm4_dir):
+    from longalign.lora import merge_adapter
+
+    out = train_chatglm(tmp_path, glm4_dir, '[lora]\nr = 4\nalpha = 8.0\ntrainable = ["norms"]\n')
+    settings = json.loads((out / "adapter_config.json").read_text())
+    assert settings["target_modules"] == ["dense", "dense_4h_to_h", "dense_h_to_4h", "query_key_value"]
+    assert settings["base_model_name_or_path"] == str(glm4_dir)
+    assert (out / "tokenizer.model").read_bytes() == (glm4_dir / "tokenizer.model").read_bytes()
+    merge_adapter(out, tmp_path / "merged")
+    assert read_weights(tmp_path / "merged").keys() == read_weights(glm4_dir).keys() - {
+        "transformer.rotary_pos_emb.inv_freq"
+    }
 
 
 def test_convert_command(tmp_path, glm4_dir, capsys):
