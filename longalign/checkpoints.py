@@ -8,6 +8,7 @@ GLM-4-9B (glm-4-9b, glm-4-9b-chat, LongWriter-glm4-9b) ships for its own remote 
     tokenizer = rank_file_tokenizer(path)                              # tokenizer.model -> fast BPE
     save_chatglm(model.state_dict(), "out/model", source=path)         # back in the layout it came in
     convert("THUDM/glm-4-9b-chat", "out/native")                       # offline, either way
+    rewrite_adapter(adapter_dir, chatglm_config, to=CHATGLM)           # a peft LoRA adapter, either way
 
 The weights, per layer N (``kv`` = ``kv_channels``, ``h`` heads, ``g`` = ``multi_query_group_num``)::
 
@@ -37,16 +38,18 @@ import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from longalign.errors import ConfigError, ModelError, PathError
 
+if TYPE_CHECKING:
+    from transformers import GlmConfig, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast
+
 CHATGLM = "chatglm"  # the layout of GLM-4-9B's remote-code checkpoints (its model_type)
 NATIVE = "native"  # a checkpoint transformers loads with its own classes
 LAYOUTS = (NATIVE, CHATGLM)
-SAVE_FORMATS = ("auto", NATIVE)  # model.save_format: auto = the layout the model was loaded in
 
 ROPE_BASE = 10000.0  # rope theta = ROPE_BASE x rope_ratio
 # The special tokens that follow the ranks of a GLM-4 rank file, in id order.
@@ -227,7 +230,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 # --- config ------------------------------------------------------------------------------------------------
 
 
-def glm_config(chatglm: Mapping[str, Any], name: str = "config.json"):
+def glm_config(chatglm: Mapping[str, Any], name: str = "config.json") -> GlmConfig:
     """transformers' ``GlmConfig`` for a ChatGLM-layout ``config.json``; a key it cannot map is an error.
 
     The original is kept as ``chatglm_config`` so that a native copy converts back to it unchanged.
@@ -239,6 +242,9 @@ def glm_config(chatglm: Mapping[str, Any], name: str = "config.json"):
             f"{name}: no rope_ratio, so the RoPE base of this ChatGLM checkpoint (ChatGLM2/3-6B) is fixed in its "
             "modeling code, not in its config; longalign does not guess it"
         )
+    for key in ("padded_vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads"):
+        if key not in chatglm:
+            raise ModelError(f"{name}: {key} is missing")
     for key, value in chatglm.items():
         if key in _FIXED and value != _FIXED[key] and not (value is None and _FIXED[key] in (0, False)):
             raise ModelError(
@@ -253,9 +259,6 @@ def glm_config(chatglm: Mapping[str, Any], name: str = "config.json"):
     if layers != chatglm.get("num_layers"):
         raise ModelError(f"{name}: num_hidden_layers = {layers} but num_layers = {chatglm.get('num_layers')}")
     settings = {target: chatglm[key] for key, target in _MAPPED.items() if key in chatglm}
-    for key in ("padded_vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads"):
-        if key not in chatglm:
-            raise ModelError(f"{name}: {key} is missing")
     settings.setdefault("num_key_value_heads", chatglm["num_attention_heads"])
     settings.setdefault("head_dim", chatglm["hidden_size"] // chatglm["num_attention_heads"])
     dtype = chatglm.get("torch_dtype", chatglm.get("dtype"))
@@ -274,7 +277,7 @@ def glm_config(chatglm: Mapping[str, Any], name: str = "config.json"):
     )
 
 
-def chatglm_config(config) -> dict[str, Any]:
+def chatglm_config(config: PretrainedConfig) -> dict[str, Any]:
     """The ChatGLM-layout ``config.json`` of a ``GlmConfig``: the recorded original, else written from it."""
     recorded = getattr(config, RECORD_KEY, None)
     if recorded:
@@ -384,6 +387,215 @@ def to_chatglm(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             raise ModelError(f"{target}: needs q, k and v; got {', '.join(sorted(parts))}")
         out[target] = torch.cat([parts["q"], parts["k"], parts["v"]])
     return out
+
+
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint in ``path``: safetensors or ``.bin`` (``weights_only``), sharded or not."""
+    from safetensors.torch import load_file
+
+    for index_name, single in (
+        ("model.safetensors.index.json", "model.safetensors"),
+        ("pytorch_model.bin.index.json", "pytorch_model.bin"),
+    ):
+        index = path / index_name
+        files = sorted(set(_read_json(index)["weight_map"].values())) if index.is_file() else [single]
+        if all((path / file).is_file() for file in files):
+            state: dict[str, torch.Tensor] = {}
+            for file in files:
+                if file.endswith(".safetensors"):
+                    state.update(load_file(path / file))
+                else:
+                    state.update(torch.load(path / file, map_location="cpu", weights_only=True))
+            return state
+    raise PathError(f"{path}: no model.safetensors, pytorch_model.bin or their index.json")
+
+
+def write_weights(state: Mapping[str, torch.Tensor], path: Path) -> None:
+    """Write ``state`` as safetensors shards of at most 5 GB, with an index when there is more than one."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    split = split_torch_state_dict_into_shards(dict(state), max_shard_size="5GB")
+    for file, keys in split.filename_to_tensors.items():
+        save_file({key: state[key].contiguous() for key in keys}, path / file, metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        (path / "model.safetensors.index.json").write_text(
+            json.dumps(index, indent=2) + "\n", encoding="utf-8"
+        )
+
+
+# --- loading -----------------------------------------------------------------------------------------------
+
+
+def model_config(name: str, *, trust_remote_code: bool = False) -> PretrainedConfig:
+    """The transformers config of ``name``: ``GlmConfig`` for the ChatGLM layout, else ``AutoConfig``'s."""
+    checkpoint = find_checkpoint(name, trust_remote_code=trust_remote_code)
+    if checkpoint.layout == CHATGLM:
+        return glm_config(checkpoint.config, f"{name}/config.json")
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+
+
+def load_model(
+    name: str, *, dtype: torch.dtype | str = "auto", trust_remote_code: bool = False, **kwargs: Any
+) -> PreTrainedModel:
+    """The causal LM at ``name``; a ChatGLM-layout checkpoint becomes ``GlmForCausalLM`` without its code.
+
+    ``kwargs`` go to ``from_pretrained`` (quantization, device map).
+    """
+    checkpoint = find_checkpoint(name, trust_remote_code=trust_remote_code)
+    if checkpoint.layout == NATIVE:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(
+            name, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs
+        )
+    from transformers import GlmForCausalLM
+
+    config = glm_config(checkpoint.config, f"{name}/config.json")
+    state = native_weights(read_weights(checkpoint.path), checkpoint.config, config, name=name)
+    return GlmForCausalLM.from_pretrained(None, config=config, state_dict=state, dtype=dtype, **kwargs)
+
+
+def native_weights(
+    state: Mapping[str, torch.Tensor], chatglm: Mapping[str, Any], config: GlmConfig, *, name: str
+) -> dict[str, torch.Tensor]:
+    """ChatGLM weights under ``GlmForCausalLM``'s names, checked name by name and shape by shape against ``config``."""
+    from transformers import GlmForCausalLM
+
+    native = to_native(state, chatglm)
+    with torch.device("meta"):
+        expected = {key: tensor.shape for key, tensor in GlmForCausalLM(config).state_dict().items()}
+    for key in sorted(expected.keys() - native.keys()):
+        raise ModelError(f"{name}: no weight for {key} (a ChatGLM checkpoint with a part missing?)")
+    for key, shape in expected.items():
+        if native[key].shape != shape:
+            raise ModelError(
+                f"{name}: {key} has shape {list(native[key].shape)}, config.json gives {list(shape)}"
+            )
+    return native
+
+
+def layout_note(name: str, *, trust_remote_code: bool = False, save_format: str = "auto") -> str | None:
+    """One line for the run, the preflight and the probe when ``name`` is in the ChatGLM layout; else None.
+
+    ``ChatGLM layout, read as GlmForCausalLM (weights renamed in memory, its code not run); saved back in
+    the ChatGLM layout; trust_remote_code is not needed for it``
+    """
+    checkpoint = find_checkpoint(name, trust_remote_code=trust_remote_code)
+    if checkpoint.layout != CHATGLM:
+        return None
+    saved = (
+        "saved as GlmForCausalLM (model.save_format = native)"
+        if save_format == NATIVE
+        else "saved back in the ChatGLM layout"
+    )
+    note = f"ChatGLM layout, read as GlmForCausalLM (weights renamed in memory, its code not run); {saved}"
+    return note + ("; trust_remote_code is not needed for it" if trust_remote_code else "")
+
+
+# --- saving ------------------------------------------------------------------------------------------------
+
+
+def save_chatglm(
+    state: Mapping[str, torch.Tensor],
+    output_dir: str | Path,
+    *,
+    source: Path | None,
+    config: PretrainedConfig | None = None,
+) -> None:
+    """Write ``GlmForCausalLM`` weights in the ChatGLM layout.
+
+    With ``source`` (the ChatGLM checkpoint the model came from) its ``config.json``, tokenizer files and
+    ``.py`` files are copied unchanged; without it ``config.json`` is written from ``config``.
+    """
+    output = Path(output_dir)
+    output.mkdir(parents=True, exist_ok=True)
+    write_weights(to_chatglm(state), output)
+    if source is None:
+        text = json.dumps(chatglm_config(config), indent=2) + "\n"
+        (output / "config.json").write_text(text, encoding="utf-8")
+        return
+    for file in sorted(source.iterdir()):
+        if file.is_file() and not _WEIGHT_FILES.fullmatch(file.name) and not file.name.startswith("."):
+            shutil.copyfile(file, output / file.name)
+
+
+def layout_saver(
+    name: str | None, save_format: str, *, trust_remote_code: bool = False
+) -> Callable[[torch.nn.Module, Path, Mapping[str, torch.Tensor] | None], None] | None:
+    """How a run writes its model when it does not save natively: ``save(model, output_dir, state_dict)``.
+
+    ``None`` when the model came in natively, or ``model.save_format = "native"``.
+    """
+    if not name or save_format == NATIVE:
+        return None
+    checkpoint = find_checkpoint(name, trust_remote_code=trust_remote_code)
+    if checkpoint.layout != CHATGLM:
+        return None
+
+    def save(model: torch.nn.Module, output_dir: Path, state: Mapping[str, torch.Tensor] | None) -> None:
+        save_chatglm(model.state_dict() if state is None else state, output_dir, source=checkpoint.path)
+
+    return save
+
+
+def convert(source: str, output_dir: str | Path, *, to: str | None = None, dtype: str = "auto") -> str:
+    """Convert the checkpoint ``source`` to the other layout (or ``to``); returns the layout written.
+
+    ChatGLM -> native writes ``GlmForCausalLM`` with ``tokenizer.json``; native -> ChatGLM writes the
+    weights and ``config.json`` (the original when the native copy records it). Tensors are renamed and
+    split or joined, never changed, unless ``dtype`` asks for a cast.
+    """
+    from longalign.artifacts import stage_output
+
+    checkpoint = find_checkpoint(source)
+    if checkpoint.path is None or checkpoint.config is None:
+        raise PathError(
+            f"{source}: no config.json there (a checkpoint directory, or a Hub id in the local cache)"
+        )
+    to = to or (NATIVE if checkpoint.layout == CHATGLM else CHATGLM)
+    if to == checkpoint.layout:
+        raise ConfigError(f"--to {to}: {source} is in the {to} layout already")
+    state = read_weights(checkpoint.path)
+    if dtype != "auto":
+        state = {key: _cast(tensor, getattr(torch, dtype)) for key, tensor in state.items()}
+    with stage_output(output_dir, stage="convert", inputs=[checkpoint.path]) as staging:
+        if to == NATIVE:
+            from transformers import GlmForCausalLM
+
+            config = glm_config(checkpoint.config, f"{source}/config.json")
+            if dtype != "auto":
+                config.dtype = dtype
+            model = GlmForCausalLM.from_pretrained(
+                None, config=config, state_dict=native_weights(state, checkpoint.config, config, name=source)
+            )
+            model.save_pretrained(staging)
+            if (checkpoint.path / RANK_FILE).is_file():
+                rank_file_tokenizer(checkpoint.path).save_pretrained(staging)
+        else:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(checkpoint.path)
+            save_chatglm(state, staging, source=None, config=config)
+            if dtype != "auto":
+                _set_dtype(staging / "config.json", dtype)
+    return to
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+
+def _set_dtype(path: Path, dtype: str) -> None:
+    config = _read_json(path)
+    config["torch_dtype"] = dtype
+    path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
+# --- adapters ----------------------------------------------------------------------------------------------
 
 
 def module_to_chatglm(name: str) -> str:
@@ -582,208 +794,6 @@ def copy_tokenizer_files(source: Path, output_dir: Path) -> None:
             shutil.copyfile(file, output_dir / file.name)
 
 
-def read_weights(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint in ``path``: safetensors or ``.bin`` (``weights_only``), sharded or not."""
-    from safetensors.torch import load_file
-
-    for index_name, single in (
-        ("model.safetensors.index.json", "model.safetensors"),
-        ("pytorch_model.bin.index.json", "pytorch_model.bin"),
-    ):
-        index = path / index_name
-        files = sorted(set(_read_json(index)["weight_map"].values())) if index.is_file() else [single]
-        if all((path / file).is_file() for file in files):
-            state: dict[str, torch.Tensor] = {}
-            for file in files:
-                if file.endswith(".safetensors"):
-                    state.update(load_file(path / file))
-                else:
-                    state.update(torch.load(path / file, map_location="cpu", weights_only=True))
-            return state
-    raise PathError(f"{path}: no model.safetensors, pytorch_model.bin or their index.json")
-
-
-def write_weights(state: Mapping[str, torch.Tensor], path: Path) -> None:
-    """Write ``state`` as safetensors shards of at most 5 GB, with an index when there is more than one."""
-    from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save_file
-
-    split = split_torch_state_dict_into_shards(dict(state), max_shard_size="5GB")
-    for file, keys in split.filename_to_tensors.items():
-        save_file({key: state[key].contiguous() for key in keys}, path / file, metadata={"format": "pt"})
-    if split.is_sharded:
-        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
-        (path / "model.safetensors.index.json").write_text(
-            json.dumps(index, indent=2) + "\n", encoding="utf-8"
-        )
-
-
-# --- loading -----------------------------------------------------------------------------------------------
-
-
-def model_config(name: str, *, trust_remote_code: bool = False):
-    """The transformers config of ``name``: ``GlmConfig`` for the ChatGLM layout, else ``AutoConfig``'s."""
-    checkpoint = find_checkpoint(name, trust_remote_code=trust_remote_code)
-    if checkpoint.layout == CHATGLM:
-        return glm_config(checkpoint.config, f"{name}/config.json")
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
-
-
-def load_model(
-    name: str, *, dtype: torch.dtype | str = "auto", trust_remote_code: bool = False, **kwargs: Any
-):
-    """The causal LM at ``name``; a ChatGLM-layout checkpoint becomes ``GlmForCausalLM`` without its code.
-
-    ``kwargs`` go to ``from_pretrained`` (quantization, device map).
-    """
-    checkpoint = find_checkpoint(name, trust_remote_code=trust_remote_code)
-    if checkpoint.layout == NATIVE:
-        from transformers import AutoModelForCausalLM
-
-        return AutoModelForCausalLM.from_pretrained(
-            name, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs
-        )
-    from transformers import GlmForCausalLM
-
-    config = glm_config(checkpoint.config, f"{name}/config.json")
-    state = native_weights(read_weights(checkpoint.path), checkpoint.config, config, name=name)
-    return GlmForCausalLM.from_pretrained(None, config=config, state_dict=state, dtype=dtype, **kwargs)
-
-
-def native_weights(
-    state: Mapping[str, torch.Tensor], chatglm: Mapping[str, Any], config, *, name: str
-) -> dict[str, torch.Tensor]:
-    """ChatGLM weights under ``GlmForCausalLM``'s names, checked name by name and shape by shape against ``config``."""
-    from transformers import GlmForCausalLM
-
-    native = to_native(state, chatglm)
-    with torch.device("meta"):
-        expected = {key: tensor.shape for key, tensor in GlmForCausalLM(config).state_dict().items()}
-    for key in sorted(expected.keys() - native.keys()):
-        raise ModelError(f"{name}: no weight for {key} (a ChatGLM checkpoint with a part missing?)")
-    for key, shape in expected.items():
-        if native[key].shape != shape:
-            raise ModelError(
-                f"{name}: {key} has shape {list(native[key].shape)}, config.json gives {list(shape)}"
-            )
-    return native
-
-
-def layout_note(name: str, *, trust_remote_code: bool = False, save_format: str = "auto") -> str | None:
-    """One line for the run, the preflight and the probe when ``name`` is in the ChatGLM layout; else None.
-
-    ``ChatGLM layout, read as GlmForCausalLM (weights renamed in memory, its code not run); saved back in
-    the ChatGLM layout; trust_remote_code is not needed for it``
-    """
-    checkpoint = find_checkpoint(name, trust_remote_code=trust_remote_code)
-    if checkpoint.layout != CHATGLM:
-        return None
-    saved = (
-        "saved as GlmForCausalLM (model.save_format = native)"
-        if save_format == NATIVE
-        else "saved back in the ChatGLM layout"
-    )
-    note = f"ChatGLM layout, read as GlmForCausalLM (weights renamed in memory, its code not run); {saved}"
-    return note + ("; trust_remote_code is not needed for it" if trust_remote_code else "")
-
-
-# --- saving ------------------------------------------------------------------------------------------------
-
-
-def save_chatglm(
-    state: Mapping[str, torch.Tensor], output_dir: str | Path, *, source: Path | None, config=None
-) -> None:
-    """Write ``GlmForCausalLM`` weights in the ChatGLM layout.
-
-    With ``source`` (the ChatGLM checkpoint the model came from) its ``config.json``, tokenizer files and
-    ``.py`` files are copied unchanged; without it ``config.json`` is written from ``config``.
-    """
-    output = Path(output_dir)
-    output.mkdir(parents=True, exist_ok=True)
-    write_weights(to_chatglm(state), output)
-    if source is None:
-        text = json.dumps(chatglm_config(config), indent=2) + "\n"
-        (output / "config.json").write_text(text, encoding="utf-8")
-        return
-    for file in sorted(source.iterdir()):
-        if file.is_file() and not _WEIGHT_FILES.fullmatch(file.name) and not file.name.startswith("."):
-            shutil.copyfile(file, output / file.name)
-
-
-def layout_saver(
-    name: str | None, save_format: str, *, trust_remote_code: bool = False
-) -> Callable[[torch.nn.Module, Path, Mapping[str, torch.Tensor] | None], None] | None:
-    """How a run writes its model when it does not save natively: ``save(model, output_dir, state_dict)``.
-
-    ``None`` when the model came in natively, or ``model.save_format = "native"``.
-    """
-    if not name or save_format == NATIVE:
-        return None
-    checkpoint = find_checkpoint(name, trust_remote_code=trust_remote_code)
-    if checkpoint.layout != CHATGLM:
-        return None
-
-    def save(model: torch.nn.Module, output_dir: Path, state: Mapping[str, torch.Tensor] | None) -> None:
-        save_chatglm(model.state_dict() if state is None else state, output_dir, source=checkpoint.path)
-
-    return save
-
-
-def convert(source: str, output_dir: str | Path, *, to: str | None = None, dtype: str = "auto") -> str:
-    """Convert the checkpoint ``source`` to the other layout (or ``to``); returns the layout written.
-
-    ChatGLM -> native writes ``GlmForCausalLM`` with ``tokenizer.json``; native -> ChatGLM writes the
-    weights and ``config.json`` (the original when the native copy records it). Tensors are renamed and
-    split or joined, never changed, unless ``dtype`` asks for a cast.
-    """
-    from longalign.artifacts import stage_output
-
-    checkpoint = find_checkpoint(source)
-    if checkpoint.path is None or checkpoint.config is None:
-        raise PathError(
-            f"{source}: no config.json there (a checkpoint directory, or a Hub id in the local cache)"
-        )
-    to = to or (NATIVE if checkpoint.layout == CHATGLM else CHATGLM)
-    if to == checkpoint.layout:
-        raise ConfigError(f"--to {to}: {source} is in the {to} layout already")
-    state = read_weights(checkpoint.path)
-    if dtype != "auto":
-        state = {key: _cast(tensor, getattr(torch, dtype)) for key, tensor in state.items()}
-    with stage_output(output_dir, stage="convert", inputs=[checkpoint.path]) as staging:
-        if to == NATIVE:
-            from transformers import GlmForCausalLM
-
-            config = glm_config(checkpoint.config, f"{source}/config.json")
-            if dtype != "auto":
-                config.dtype = dtype
-            model = GlmForCausalLM.from_pretrained(
-                None, config=config, state_dict=native_weights(state, checkpoint.config, config, name=source)
-            )
-            model.save_pretrained(staging)
-            if (checkpoint.path / RANK_FILE).is_file():
-                rank_file_tokenizer(checkpoint.path).save_pretrained(staging)
-        else:
-            from transformers import AutoConfig
-
-            config = AutoConfig.from_pretrained(checkpoint.path)
-            save_chatglm(state, staging, source=None, config=config)
-            if dtype != "auto":
-                _set_dtype(staging / "config.json", dtype)
-    return to
-
-
-def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return tensor.to(dtype) if tensor.is_floating_point() else tensor
-
-
-def _set_dtype(path: Path, dtype: str) -> None:
-    config = _read_json(path)
-    config["torch_dtype"] = dtype
-    path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-
-
 # --- the tokenizer -----------------------------------------------------------------------------------------
 
 
@@ -856,7 +866,7 @@ def is_rank_file_tokenizer(path: Path) -> bool:
     return str(config.get("tokenizer_class", "")).startswith("ChatGLM") or "tokenization_chatglm" in remote
 
 
-def rank_file_tokenizer(path: str | Path):
+def rank_file_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     """GLM-4's tokenizer from its files alone: ``tokenizer.model`` ranks, 14 special tokens, the chat template.
 
     A fast byte-level BPE (``PreTrainedTokenizerFast``) whose ids equal tiktoken's on the same text; the
@@ -896,7 +906,7 @@ def rank_file_tokenizer(path: str | Path):
     )
 
 
-def open_tokenizer(name: str, *, trust_remote_code: bool = False):
+def open_tokenizer(name: str, *, trust_remote_code: bool = False) -> PreTrainedTokenizerFast | None:
     """The ChatGLM tokenizer at ``name`` built from its rank file, or None when ``name`` is not one.
 
     Refuses first a checkpoint whose remote code longalign cannot map (:func:`check_remote_code`).
