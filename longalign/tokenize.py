@@ -194,9 +194,8 @@ def open_tokenizer(name: str, *, trust_remote_code: bool = False):
         raise InputError(f"{name}: no tokenizer there (a directory with tokenizer files, or a Hub name)")
     from longalign import checkpoints
 
-    tokenizer = checkpoints.open_tokenizer(
-        name, trust_remote_code=trust_remote_code
-    )  # ChatGLM: no remote code
+    # A ChatGLM checkpoint's tokenizer is built from its rank file; its remote class never runs.
+    tokenizer = checkpoints.open_tokenizer(name, trust_remote_code=trust_remote_code)
     try:
         tokenizer = tokenizer or AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:

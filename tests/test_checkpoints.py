@@ -628,3 +628,22 @@ def test_merge_writes_the_chatglm_layout_of_its_base(tmp_path, glm4_dir):
     assert max(relative(merged[key], expected[key]) for key in merged) < 1e-12
     for name in ("config.json", "tokenizer.model", "modeling_chatglm.py"):
         assert (tmp_path / "merged" / name).read_bytes() == (glm4_dir / name).read_bytes()
+
+
+def test_a_hub_id_is_read_from_the_local_cache_only(tmp_path, glm4_dir, ranks, monkeypatch):
+    import huggingface_hub.constants
+
+    snapshot = tmp_path / "hub" / "models--THUDM--glm-4-tiny" / "snapshots" / ("0" * 40)
+    shutil.copytree(glm4_dir, snapshot)
+    (tmp_path / "hub" / "models--THUDM--glm-4-tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "models--THUDM--glm-4-tiny" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert checkpoints.local_dir("THUDM/glm-4-tiny") == snapshot
+    assert checkpoints.local_dir("THUDM/not-cached") is None
+    assert type(load_model("THUDM/glm-4-tiny", trust_remote_code=True)) is GlmForCausalLM
+    from longalign.tokenize import open_tokenizer
+
+    tokenizer = open_tokenizer("THUDM/glm-4-tiny", trust_remote_code=True)
+    assert tokenizer.encode("Grüße 42", add_special_tokens=False) == encoding(ranks).encode_ordinary(
+        "Grüße 42"
+    )
