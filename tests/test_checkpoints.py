@@ -647,3 +647,12 @@ def test_a_hub_id_is_read_from_the_local_cache_only(tmp_path, glm4_dir, ranks, m
     assert tokenizer.encode("Grüße 42", add_special_tokens=False) == encoding(ranks).encode_ordinary(
         "Grüße 42"
     )
+
+
+def test_save_format_names_its_values(tmp_path):
+    from longalign.config import load_config
+
+    run_file = tmp_path / "run.toml"
+    run_file.write_text('[model]\nmodel_name_or_path = "x"\nsave_format = "chatglm3"\n')
+    with pytest.raises(ConfigError, match="model.save_format: 'chatglm3' is not one of auto, native"):
+        load_config(run_file, [])
