@@ -151,6 +151,7 @@ class Checkpoint:
 
     @property
     def layout(self) -> str:
+        """``chatglm`` for GLM-4-9B's remote-code layout, else ``native``."""
         return CHATGLM if (self.config or {}).get("model_type") == CHATGLM else NATIVE
 
 
@@ -839,6 +840,9 @@ def bpe_from_ranks(ranks: Mapping[bytes, int]) -> tuple[dict[str, int], list[tup
     split of a token into two tokens is a merge, ranked by the token it makes::
 
         ranks  {a: 0, b: 1, c: 2, ab: 3, abc: 4}  ->  merges  (a, b) for ab;  (ab, c) for abc
+
+    Both pick the lowest rank first and the leftmost pair among equals; they could differ only where two
+    different splits of one token overlap in a word (``x+y == y+z``), which the tests have not met.
     """
     alphabet = byte_alphabet()
 
