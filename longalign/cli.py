@@ -6,6 +6,7 @@
     longalign probe --config run.toml --lengths 16k,32k,64k
     accelerate launch -m longalign preflight --config run.toml
     longalign merge --adapter out/run --output out/merged
+    longalign convert THUDM/glm-4-9b-chat out/glm-4-9b-chat-native
 
 ``scripts/pre_tokenize.py``, ``scripts/sort_and_group.py``, ``scripts/probe_memory.py``,
 ``scripts/preflight.py``, ``scripts/merge_adapter.py`` and ``train.py`` run the same subcommands. Every command reports a bad argument,
@@ -349,6 +350,31 @@ def _merge(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- convert ----------------------------------------------------------------------------------------------
+
+
+def _convert_arguments(parser: argparse.ArgumentParser) -> None:
+    from longalign.checkpoints import LAYOUTS
+    from longalign.config import TORCH_DTYPES
+
+    parser.add_argument("source", help="checkpoint directory, or a Hub id already in the local cache")
+    parser.add_argument("output", help="directory for the converted checkpoint (replaced atomically)")
+    parser.add_argument(
+        "--to", choices=LAYOUTS, help="the layout to write; default: the one SOURCE is not in"
+    )
+    parser.add_argument(
+        "--dtype", choices=TORCH_DTYPES, default="auto", help="cast the weights; auto: as stored"
+    )
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from longalign.checkpoints import convert
+
+    layout = convert(args.source, args.output, to=args.to, dtype=args.dtype)
+    print(f"wrote {args.output}: {args.source} in the {layout} layout")
+    return 0
+
+
 COMMANDS = {
     "pre-tokenize": Command(
         "chat data -> tokenized samples with assistant-only labels",
@@ -416,5 +442,18 @@ COMMANDS = {
         "the unquantized base. Exit status: 0 written, 2 for bad input.",
         _merge_arguments,
         _merge,
+    ),
+    "convert": Command(
+        "GLM-4-9B's ChatGLM layout <-> transformers' GlmForCausalLM, offline",
+        "Convert a checkpoint between GLM-4-9B's ChatGLM layout (model_type chatglm, remote code) and\n"
+        "transformers' own GlmForCausalLM, without running the checkpoint's code.\n\n"
+        "    longalign convert THUDM/glm-4-9b-chat out/glm-4-9b-chat-native\n"
+        "    longalign convert out/run/checkpoint-200 out/chatglm-200 --to chatglm\n\n"
+        "ChatGLM -> native writes GlmForCausalLM and tokenizer.json (built from tokenizer.model); native ->\n"
+        "ChatGLM writes the fused weights and config.json (the original one when SOURCE was converted from it);\n"
+        "copy tokenizer.model and the .py files from the original checkpoint for its remote code. Weights are\n"
+        "renamed, split or joined, never changed, unless --dtype casts them. Exit status: 0 written, 2 for bad input.",
+        _convert_arguments,
+        _convert,
     ),
 }

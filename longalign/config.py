@@ -175,6 +175,7 @@ class ModelConfig:
     trust_remote_code: bool = False
     attn_backend: str = "auto"  # auto (the fastest that runs) | flash_attn | flash_attn_cute | ...
     torch_dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    save_format: str = "auto"  # auto: the layout the model was loaded in (ChatGLM stays ChatGLM) | native
 
     def __post_init__(self) -> None:
         if not self.model_name_or_path and self.init_from_config is None:
@@ -185,6 +186,8 @@ class ModelConfig:
             raise ConfigError(
                 f"model.attn_backend: {self.attn_backend!r} is not one of auto, {', '.join(BACKENDS)}"
             )
+        if self.save_format not in ("auto", "native"):
+            raise ConfigError(f"model.save_format: {self.save_format!r} is not one of auto, native")
         if self.torch_dtype not in TORCH_DTYPES:
             raise ConfigError(
                 f"model.torch_dtype: {self.torch_dtype!r} is not one of {', '.join(TORCH_DTYPES)}"

@@ -190,6 +190,17 @@ def config_check(cfg: Config) -> Check:
     return Check("config", digest(flat), fix=FIX_CONFIG, detail=shown)
 
 
+def layout_check(cfg: Config) -> Check:
+    """How the model's checkpoint is read, from its ``config.json`` alone: native, or mapped from ChatGLM."""
+    from longalign.checkpoints import layout_note
+
+    mc = cfg.model
+    note = layout_note(
+        mc.model_name_or_path, trust_remote_code=mc.trust_remote_code, save_format=mc.save_format
+    )
+    return Check("model layout", note or "native")
+
+
 def tokenizer_check(tokenizer: Any) -> Check:
     """A fingerprint of the tokenizer's vocabulary (added tokens included) and chat template.
 
@@ -312,6 +323,8 @@ def rank_checks(
     checks.append(backend_check(device, dtype, cfg.model.attn_backend))
     checks.append(adapter_check(cfg, device))
     checks.append(config_check(cfg))
+    if cfg.model.model_name_or_path:
+        checks.append(attempt("model layout", lambda: layout_check(cfg)))
     checks.append(attempt("tokenizer", lambda: tokenizer_check(load_tokenizer()), FIX_TOKENIZER))
     fix = FIX_DATASET.format(key="train_file")
     checks.append(attempt("dataset", lambda: packs_check("dataset", load_packs(), "train_file"), fix))

@@ -34,6 +34,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 import longalign.patch
+from longalign import checkpoints
 from longalign.artifacts import REPORT_NAME, load_stage, read_report
 from longalign.batching import EXACT_WEIGHTINGS, packs_fingerprint
 from longalign.chat_template import open_tokenizer
@@ -84,7 +85,7 @@ def model_config(cfg: Config):
     if mc.init_from_config is not None:
         settings = dict(mc.init_from_config)
         return AutoConfig.for_model(settings.pop("model_type"), **settings)
-    return AutoConfig.from_pretrained(mc.model_name_or_path, trust_remote_code=mc.trust_remote_code)
+    return checkpoints.model_config(mc.model_name_or_path, trust_remote_code=mc.trust_remote_code)
 
 
 def model_dtype(cfg: Config) -> torch.dtype:
@@ -123,7 +124,7 @@ def load_model(cfg: Config, device: torch.device | None = None) -> torch.nn.Modu
             from longalign.lora import quantization
 
             extra = quantization(cfg.lora, dtype=dtype, device=device or torch.device("cpu"))
-        model = AutoModelForCausalLM.from_pretrained(
+        model = checkpoints.load_model(
             mc.model_name_or_path, dtype=dtype, trust_remote_code=mc.trust_remote_code, **extra
         )
     return longalign.patch.apply(
@@ -413,6 +414,21 @@ def build_trainer(cfg: Config) -> LongAlignTrainer:
         pad_packs_to=cfg.data.max_seq_len if cfg.packing.pad_to_max else None,
         sequence_parallel_size=cfg.training.sequence_parallel_size,
         run_record=json.loads(json.dumps(run_record(cfg, args, train_packs), default=str)),
+        save_layout=final_saver(cfg),
+    )
+
+
+def final_saver(cfg: Config):
+    """How the run writes its final model or adapter in the layout it loaded (``None``: as transformers does)."""
+    mc = cfg.model
+    if not mc.model_name_or_path:
+        return None
+    if cfg.lora is not None:
+        from longalign.lora import adapter_saver
+
+        return adapter_saver(mc.model_name_or_path, mc.save_format, trust_remote_code=mc.trust_remote_code)
+    return checkpoints.layout_saver(
+        mc.model_name_or_path, mc.save_format, trust_remote_code=mc.trust_remote_code
     )
 
 
@@ -438,6 +454,12 @@ def _lifecycle(trainer: LongAlignTrainer, cfg: Config) -> int:
         if not report.ok:
             return 1
     if trainer.is_world_process_zero():
+        mc = cfg.model
+        note = mc.model_name_or_path and checkpoints.layout_note(
+            mc.model_name_or_path, trust_remote_code=mc.trust_remote_code, save_format=mc.save_format
+        )
+        if note:
+            print(f"model: {note}", flush=True)
         print(parameter_summary(trainer.model), flush=True)
     resume = resume_point(trainer, cfg)
     try:

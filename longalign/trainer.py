@@ -29,12 +29,14 @@ only then are old checkpoints rotated out.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 from transformers import Trainer
+from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from longalign.artifacts import write_json
@@ -71,6 +73,7 @@ class LongAlignTrainer(Trainer):
         pad_packs_to: int | None = None,
         sequence_parallel_size: int = 1,
         run_record: dict[str, Any] | None = None,
+        save_layout: Callable[[torch.nn.Module, Path, Mapping[str, torch.Tensor] | None], None] | None = None,
         **kwargs: Any,
     ) -> None:
         data_collator = kwargs.pop("data_collator", None)
@@ -89,6 +92,8 @@ class LongAlignTrainer(Trainer):
         self.read_head = read_head
         self.pack_seed = pack_seed
         self.run_record = run_record or {}
+        self.save_layout = save_layout  # writes the final model in another layout (longalign.checkpoints)
+        self._checkpointing = False
         self._window = {"tokens": 0.0, "samples": 0.0, "packs": 0.0, "steps": 0, "start": 0.0}
 
     # --- data ------------------------------------------------------------------------------------------
@@ -126,10 +131,12 @@ class LongAlignTrainer(Trainer):
         """Save as transformers does; then mark the checkpoint complete; then rotate old ones out."""
         limit = self.args.save_total_limit
         self.args.save_total_limit = None  # rotating first could leave no complete checkpoint after a kill
+        self._checkpointing = True
         try:
             super()._save_checkpoint(model, trial)
         finally:
             self.args.save_total_limit = limit
+            self._checkpointing = False
         self.accelerator.wait_for_everyone()  # every rank's part (optimizer shards, RNG states) is written
         if not self.args.should_save:
             return
@@ -144,6 +151,21 @@ class LongAlignTrainer(Trainer):
             best_model_checkpoint=self.state.best_model_checkpoint,
             use_mtime=True,
         )
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Save as transformers does, but the final model through ``save_layout`` when one is given.
+
+        Checkpoints stay in transformers' layout: a resume loads them into the model as it is.
+        """
+        if self.save_layout is None or self._checkpointing:
+            return super()._save(output_dir, state_dict)
+        if not self.args.should_save:
+            return
+        output = Path(output_dir or self.args.output_dir)
+        self.save_layout(
+            self.accelerator.unwrap_model(self.model, keep_torch_compile=False), output, state_dict
+        )
+        torch.save(self.args, output / TRAINING_ARGS_NAME)
 
     # --- loss ------------------------------------------------------------------------------------------
 

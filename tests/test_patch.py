@@ -173,13 +173,13 @@ def test_batch_dependent_rope_is_refused():
         check_model(LlamaForCausalLM(config))
 
 
-def test_remote_code_glm_points_to_the_native_checkpoint():
+def test_remote_code_glm_points_to_the_native_loader():
     remote = type("ChatGLMForConditionalGeneration", (torch.nn.Module,), {})
     remote.__module__ = "transformers_modules.THUDM.glm-4-9b-chat.modeling_chatglm"
     model = remote()
     model.config = types.SimpleNamespace(model_type="chatglm")
     with pytest.raises(
-        UnsupportedModelError, match="trust_remote_code.*glm-4-9b-chat-hf \\(GlmForCausalLM\\)"
+        UnsupportedModelError, match="trust_remote_code.*longalign.checkpoints.load_model \\(GlmForCausalLM"
     ):
         apply(model)
 
