@@ -305,7 +305,7 @@ def test_tokenizer_ids_equal_tiktoken(glm4_dir, ranks):
 
 
 def test_open_tokenizer_reads_the_rank_file(glm4_dir, ranks):
-    from longalign.tokenize import open_tokenizer
+    from longalign.chat_template import open_tokenizer
 
     tokenizer = open_tokenizer(str(glm4_dir), trust_remote_code=True)
     assert tokenizer.is_fast
@@ -641,7 +641,7 @@ def test_a_hub_id_is_read_from_the_local_cache_only(tmp_path, glm4_dir, ranks, m
     assert checkpoints.local_dir("THUDM/glm-4-tiny") == snapshot
     assert checkpoints.local_dir("THUDM/not-cached") is None
     assert type(load_model("THUDM/glm-4-tiny", trust_remote_code=True)) is GlmForCausalLM
-    from longalign.tokenize import open_tokenizer
+    from longalign.chat_template import open_tokenizer
 
     tokenizer = open_tokenizer("THUDM/glm-4-tiny", trust_remote_code=True)
     assert tokenizer.encode("Grüße 42", add_special_tokens=False) == encoding(ranks).encode_ordinary(
