@@ -30,7 +30,8 @@ from typing import Any
 import pyarrow.compute as pc
 import torch
 import transformers
-from accelerate import PartialState
+from accelerate import Accelerator, PartialState
+from accelerate.utils import DistributedDataParallelKwargs, FullyShardedDataParallelPlugin
 from transformers import AutoConfig, AutoModelForCausalLM, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -45,6 +46,7 @@ from longalign.preflight import (
     PreflightReport,
     check_trainer,
     compute_dtype,
+    parallelism_row,
     preflight_enabled,
     run_preflight,
 )
@@ -566,6 +568,7 @@ def preflight(cfg: Config, env_names: Sequence[str] = DEFAULT_ENV) -> PreflightR
     args = training_arguments(cfg)
     check_sequence_parallel(cfg, args.world_size, parallelism=args.parallelism_config)
     try:
+        accelerator = trainer_accelerator(args)
         return run_preflight(
             cfg,
             load_tokenizer=lambda: load_tokenizer(cfg),
@@ -575,9 +578,27 @@ def preflight(cfg: Config, env_names: Sequence[str] = DEFAULT_ENV) -> PreflightR
             dtype=compute_dtype(model_dtype(cfg), bf16=args.bf16, fp16=args.fp16),
             batch_size=args.per_device_train_batch_size,
             env_names=env_names,
+            parallelism=lambda: parallelism_row(
+                accelerator, args, sequence_parallel_size=cfg.training.sequence_parallel_size
+            ),
         )
     finally:
         close()
+
+
+def trainer_accelerator(args: TrainingArguments) -> Accelerator:
+    """The ``Accelerator`` the trainer would create from ``args``: the same engine, plugins and DDP settings.
+
+    For the preflight without a model; ``transformers.Trainer`` builds its own from the same arguments.
+    """
+    fsdp = FullyShardedDataParallelPlugin(**args.fsdp_plugin_args) if args.fsdp_plugin_args else None
+    ddp = DistributedDataParallelKwargs(find_unused_parameters=bool(args.ddp_find_unused_parameters))
+    return Accelerator(
+        mixed_precision=args.mixed_precision,
+        deepspeed_plugin=args.deepspeed_plugin,
+        fsdp_plugin=fsdp,
+        kwargs_handlers=[ddp],
+    )
 
 
 def release(trainer: LongAlignTrainer) -> None:
