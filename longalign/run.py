@@ -59,9 +59,9 @@ from longalign.trainer import CHECKPOINT_RECORD, LongAlignTrainer
 def training_arguments(cfg: Config) -> TrainingArguments:
     """The run's ``TrainingArguments``, built here and nowhere else; a value they refuse names its key."""
     settings = {**cfg.training.args, "remove_unused_columns": False}
-    if cfg.lora is not None:
-        # Every adapter gets a gradient every step; DDP's search for unused ones would only cost time.
-        settings.setdefault("ddp_find_unused_parameters", False)
+    # Every trained weight of a causal LM (or every adapter) gets a gradient every step: DDP's search for
+    # unused parameters, transformers' default without activation checkpointing, would only cost time.
+    settings.setdefault("ddp_find_unused_parameters", False)
     try:
         return TrainingArguments(output_dir=cfg.training.output_dir, **settings)
     except (ValueError, TypeError) as err:
