@@ -29,7 +29,8 @@ from typing import Any
 import pyarrow.compute as pc
 import torch
 import transformers
-from accelerate import PartialState
+from accelerate import Accelerator, PartialState
+from accelerate.utils import DistributedDataParallelKwargs, FullyShardedDataParallelPlugin
 from transformers import AutoConfig, AutoModelForCausalLM, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -49,6 +50,7 @@ from longalign.preflight import (
     PreflightReport,
     check_trainer,
     compute_dtype,
+    parallelism_row,
     preflight_enabled,
     run_preflight,
 )
@@ -61,9 +63,9 @@ from longalign.trainer import CHECKPOINT_RECORD, LongAlignTrainer
 def training_arguments(cfg: Config) -> TrainingArguments:
     """The run's ``TrainingArguments``, built here and nowhere else; a value they refuse names its key."""
     settings = {**cfg.training.args, "remove_unused_columns": False}
-    if cfg.lora is not None:
-        # Every adapter gets a gradient every step; DDP's search for unused ones would only cost time.
-        settings.setdefault("ddp_find_unused_parameters", False)
+    # Every trained weight of a causal LM (or every adapter) gets a gradient every step: DDP's search for
+    # unused parameters, transformers' default without activation checkpointing, would only cost time.
+    settings.setdefault("ddp_find_unused_parameters", False)
     try:
         return TrainingArguments(output_dir=cfg.training.output_dir, **settings)
     except (ValueError, TypeError) as err:
@@ -716,6 +718,7 @@ def preflight(cfg: Config, env_names: Sequence[str] = DEFAULT_ENV) -> PreflightR
     args = training_arguments(cfg)
     check_sequence_parallel(cfg, args.world_size, parallelism=args.parallelism_config)
     try:
+        accelerator = trainer_accelerator(args)
         return run_preflight(
             cfg,
             load_tokenizer=lambda: load_tokenizer(cfg),
@@ -725,9 +728,27 @@ def preflight(cfg: Config, env_names: Sequence[str] = DEFAULT_ENV) -> PreflightR
             dtype=compute_dtype(model_dtype(cfg), bf16=args.bf16, fp16=args.fp16),
             batch_size=args.per_device_train_batch_size,
             env_names=env_names,
+            parallelism=lambda: parallelism_row(
+                accelerator, args, sequence_parallel_size=cfg.training.sequence_parallel_size
+            ),
         )
     finally:
         close()
+
+
+def trainer_accelerator(args: TrainingArguments) -> Accelerator:
+    """The ``Accelerator`` the trainer would create from ``args``: the same engine, plugins and DDP settings.
+
+    For the preflight without a model; ``transformers.Trainer`` builds its own from the same arguments.
+    """
+    fsdp = FullyShardedDataParallelPlugin(**args.fsdp_plugin_args) if args.fsdp_plugin_args else None
+    ddp = DistributedDataParallelKwargs(find_unused_parameters=bool(args.ddp_find_unused_parameters))
+    return Accelerator(
+        mixed_precision=args.mixed_precision,
+        deepspeed_plugin=args.deepspeed_plugin,
+        fsdp_plugin=fsdp,
+        kwargs_handlers=[ddp],
+    )
 
 
 def release(trainer: LongAlignTrainer) -> None:

@@ -227,11 +227,12 @@ def test_a_resume_with_other_adapters_or_none_is_refused(tmp_path):
     assert compare_records(path, same, ignore_changes=False) == []
 
 
-def test_adapter_runs_tell_ddp_every_trained_parameter_is_used():
+def test_ddp_is_told_every_trained_parameter_is_used():
     assert training_arguments(load_config(DEMO, ["lora.r=8"])).ddp_find_unused_parameters is False
-    assert training_arguments(load_config(DEMO)).ddp_find_unused_parameters is None  # Trainer decides
-    kept = load_config(DEMO, ["lora.r=8", "training.ddp_find_unused_parameters=true"])
-    assert training_arguments(kept).ddp_find_unused_parameters is True
+    assert training_arguments(load_config(DEMO)).ddp_find_unused_parameters is False  # full fine-tuning too
+    for overrides in (["lora.r=8"], []):
+        kept = load_config(DEMO, [*overrides, "training.ddp_find_unused_parameters=true"])
+        assert training_arguments(kept).ddp_find_unused_parameters is True
 
 
 def test_a_checkpoint_without_a_record_needs_the_override(tmp_path):
