@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from longalign import reports
+from longalign.datagen import command as datagen
 from longalign.errors import LongAlignError, PathError
 
 
@@ -398,6 +399,12 @@ COMMANDS = {
         "Exit status: 0 when every rank agrees, 1 otherwise (naming the rank and the fix), 2 for bad input.",
         _preflight_arguments,
         _preflight,
+    ),
+    "data": Command(
+        "long instruction data from documents or writing prompts, through any OpenAI-compatible model",
+        datagen.DESCRIPTION,
+        datagen.add_arguments,
+        datagen.run,
     ),
     "merge": Command(
         "fold a [lora] run's adapter into its base: a full model",
