@@ -312,6 +312,18 @@ def test_agentwrite_plans_then_writes_each_paragraph_given_the_text_so_far(tmp_p
     assert f"<written_so_far>\n{written[0]}\n\n{written[1]}\n</written_so_far>" in third
 
 
+def test_agentwrite_500_every_third_call_ends_with_every_sample_and_the_counts(tmp_path):
+    prompts = tmp_path / "writing.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Write story {i}."}) + "\n" for i in range(3)))
+    with OpenAIStub(scripted, key=KEY, fail_every=3) as server:
+        report = agentwrite.generate(prompts, tmp_path / "write", client=client_for(server))
+        received = server.calls
+    # 3 plans + 9 paragraphs = 12 requests; T = 12 + T // 3 gives T = 17 (calls 3, 6, ..., 15 failed)
+    assert received == 17
+    assert report["samples"] == {"planned": 3, "made": 3, "dropped": {}}
+    assert report["calls"] == {"made": 12, "succeeded": 12, "failed": 0, "retried": 5, "from_cache": 0}
+
+
 def test_bad_prompt_rows_are_refused_naming_the_line_before_any_call(tmp_path):
     bad = tmp_path / "bad.jsonl"
     with OpenAIStub(scripted, key=KEY) as server:
@@ -386,6 +398,18 @@ def cli_args(docs: Path, out: Path, base_url: str, *extra: str) -> list[str]:
         "--max-tokens", "900", "--output", str(out), "--base-url", base_url, "--served-model", "stub-model",
         "--api-key-env", KEY_ENV, *extra,
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize("task", ["self-instruct", "agentwrite"])
+def test_each_task_has_help(task, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["data", task, "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: longalign data {task}")
+    assert all(
+        flag in out for flag in ("--output", "--base-url", "--served-model", "--concurrency", "--seed")
+    )
 
 
 def test_an_unreachable_server_is_one_line(tmp_path, docs, capsys):

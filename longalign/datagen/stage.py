@@ -66,7 +66,7 @@ def unusable(result: Completion | CallFailure, *, what: str, source: str) -> Dro
 def sample_seed(*parts: object) -> int:
     """A seed for a sample's calls from what identifies it, the same in every run (31 bits).
 
-    sample_seed(0, "docs/a.md", 2) -> 1283642590   (for example)
+    sample_seed(0, "docs/a.md", 2) -> 442746907
     """
     digest = hashlib.sha256("/".join(map(str, parts)).encode("utf-8")).digest()
     return int.from_bytes(digest[:4], "big") >> 1
