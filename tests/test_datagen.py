@@ -542,3 +542,16 @@ def test_the_output_pre_tokenizes_and_trains_as_a_train_file(tmp_path, docs, sam
     assert (report["lines_read"], report["samples_kept"]) == (6, 6), report
     run = train_demo(out, tmp_path / "run", "training.max_steps=2", max_seq_len=2048)
     assert "train_loss" in run.stdout + run.stderr
+
+
+def test_agentwrite_from_the_command_line(tmp_path, capsys):
+    out = tmp_path / "write"
+    with OpenAIStub(scripted, key=KEY) as server:
+        argv = ["data", "agentwrite", "--prompts", str(writing_prompts(tmp_path)), "--output", str(out),
+                "--max-steps", "40", "--base-url", server.base_url, "--served-model", "stub-model",
+                "--api-key-env", KEY_ENV]  # fmt: skip
+        assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert f"wrote {out}/data.jsonl: 3 of 4 samples (dropped: 1 plan_unparsed)" in printed
+    assert len(lines(out / "data.jsonl")) == 3
+    assert json.loads((out / "report.json").read_text())["settings"]["max_steps"] == 40
