@@ -6,6 +6,7 @@
     longalign probe --config run.toml --lengths 16k,32k,64k
     accelerate launch -m longalign preflight --config run.toml
     longalign merge --adapter out/run --output out/merged
+    longalign data self-instruct --docs docs/ --tokenizer MODEL --max-tokens 60000 --output out/gen --base-url URL --served-model NAME
     longalign convert THUDM/glm-4-9b-chat out/glm-4-9b-chat-native
 
 ``scripts/pre_tokenize.py``, ``scripts/sort_and_group.py``, ``scripts/probe_memory.py``,
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from longalign import reports
+from longalign.datagen import command as datagen
 from longalign.errors import LongAlignError, PathError
 
 
@@ -430,6 +432,12 @@ COMMANDS = {
         "Exit status: 0 when every rank agrees, 1 otherwise (naming the rank and the fix), 2 for bad input.",
         _preflight_arguments,
         _preflight,
+    ),
+    "data": Command(
+        "long instruction data from documents or writing prompts, through any OpenAI-compatible model",
+        datagen.DESCRIPTION,
+        datagen.add_arguments,
+        datagen.run,
     ),
     "merge": Command(
         "fold a [lora] run's adapter into its base: a full model",
