@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from longalign import reports
+from longalign.arguments import at_least
 from longalign.datagen import command as datagen
 from longalign.errors import LongAlignError, PathError
 
@@ -79,21 +80,6 @@ def _run(prog: str, command: Command, args: argparse.Namespace) -> int:
         return 2
 
 
-def _at_least(lowest: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= ``lowest`` (argparse names the flag in its error)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < lowest:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {lowest}, got {value}")
-        return value
-
-    return parse
-
-
 def _config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, required=True, help="the run's TOML file")
     parser.add_argument("overrides", nargs="*", help="section.key=value settings that win over the file")
@@ -116,12 +102,12 @@ def _pre_tokenize_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", required=True, help="tokenizer directory or hub name")
     parser.add_argument("--output", required=True, help="output dataset directory (replaced atomically)")
     parser.add_argument(
-        "--max-seq-len", type=_at_least(1), required=True, help="longest sample kept, in tokens"
+        "--max-seq-len", type=at_least(1), required=True, help="longest sample kept, in tokens"
     )
     parser.add_argument(
         "--truncation", choices=TRUNCATIONS, default="right", help="what to do with longer samples"
     )
-    parser.add_argument("--num-proc", type=_at_least(1), default=1, help="tokenizer processes")
+    parser.add_argument("--num-proc", type=at_least(1), default=1, help="tokenizer processes")
     parser.add_argument(
         "--strict", action="store_true", help="stop at the first bad line instead of skipping it"
     )
@@ -170,7 +156,7 @@ def _pack_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--input", required=True, help="dataset directory written by pre-tokenize")
     parser.add_argument("--output", required=True, help="output dataset directory (replaced atomically)")
-    parser.add_argument("--max-seq-len", type=_at_least(1), required=True, help="tokens per pack, at most")
+    parser.add_argument("--max-seq-len", type=at_least(1), required=True, help="tokens per pack, at most")
     parser.add_argument(
         "--strategy",
         choices=STRATEGIES,
@@ -178,11 +164,9 @@ def _pack_arguments(parser: argparse.ArgumentParser) -> None:
         help="bfd/ffd: best/first-fit decreasing; greedy: next-fit in input order; "
         "sorted: no packing, batches of similar length; none: one sample per row",
     )
+    parser.add_argument("--seed", type=at_least(0), default=0, help="order of equal lengths and of the packs")
     parser.add_argument(
-        "--seed", type=_at_least(0), default=0, help="order of equal lengths and of the packs"
-    )
-    parser.add_argument(
-        "--batch-size", type=_at_least(1), default=1, help="samples per batch (strategy sorted)"
+        "--batch-size", type=at_least(1), default=1, help="samples per batch (strategy sorted)"
     )
     parser.add_argument(
         "--sort-by-length",
@@ -193,11 +177,11 @@ def _pack_arguments(parser: argparse.ArgumentParser) -> None:
         "--drop-long", action="store_true", help="leave out samples over --max-seq-len instead of failing"
     )
     parser.add_argument(
-        "--min-seq-len", type=_at_least(0), default=0, help="leave out samples with fewer tokens (counted)"
+        "--min-seq-len", type=at_least(0), default=0, help="leave out samples with fewer tokens (counted)"
     )
     parser.add_argument(
         "--max-seq-len-filter",
-        type=_at_least(1),
+        type=at_least(1),
         help="leave out samples with more tokens (counted, never truncated); at most --max-seq-len",
     )
 
@@ -263,7 +247,7 @@ def _probe_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--output", type=Path, default=Path("probe.json"), help="where the results go")
     parser.add_argument(
-        "--seed", type=_at_least(0), default=0, help="seed of the synthetic sample lengths and tokens"
+        "--seed", type=at_least(0), default=0, help="seed of the synthetic sample lengths and tokens"
     )
     parser.add_argument("--trace", action="store_true", help="also print the failing step's traceback")
     parser.add_argument(

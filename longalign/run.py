@@ -378,8 +378,12 @@ def parameter_summary(model: torch.nn.Module) -> str:
     if hasattr(model, "get_nb_trainable_parameters"):
         trainable, total = model.get_nb_trainable_parameters()
     else:
-        total = sum(param.numel() for param in model.parameters())
-        trainable = sum(param.numel() for param in model.parameters() if param.requires_grad)
+        # Under ZeRO-3 a parameter holds an empty shard; DeepSpeed keeps its full size in ds_numel.
+        sizes = [
+            (getattr(param, "ds_numel", param.numel()), param.requires_grad) for param in model.parameters()
+        ]
+        total = sum(size for size, _ in sizes)
+        trainable = sum(size for size, trains in sizes if trains)
     return f"parameters: {trainable:,} trainable of {total:,} ({trainable / max(total, 1):.2%})"
 
 

@@ -37,6 +37,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from longalign.arguments import at_least
 from longalign.errors import ConfigError, LongAlignError
 from longalign.redact import redact_text
 
@@ -346,13 +347,13 @@ def add_server_arguments(
     )
     group.add_argument(
         f"--{prefix}concurrency",
-        type=_integer_at_least(1),
+        type=at_least(1),
         default=ServerSettings.concurrency,
         help=f"requests in flight at once (default: {ServerSettings.concurrency})",
     )
     group.add_argument(
         f"--{prefix}max-retries",
-        type=_integer_at_least(0),
+        type=at_least(0),
         default=ServerSettings.max_retries,
         help="tries again after a 429, a 5xx or a lost connection, waiting 1, 2, 4, ... s or what the "
         f"server's Retry-After asks (default: {ServerSettings.max_retries})",
@@ -389,18 +390,3 @@ def server_settings(args: argparse.Namespace, *, prefix: str = "") -> ServerSett
 
 def _model_flag(prefix: str) -> str:
     return f"--{prefix}model" if prefix else "--served-model"
-
-
-def _integer_at_least(lowest: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= ``lowest`` (argparse names the flag in its error)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < lowest:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {lowest}, got {value}")
-        return value
-
-    return parse

@@ -32,6 +32,7 @@ from longalign.run import (
     check_vocabulary,
     compare_records,
     model_dtype,
+    parameter_summary,
     resolve_packs,
     resume_point,
     training_arguments,
@@ -462,3 +463,12 @@ def test_a_dry_run_reads_a_cached_model_and_tokenizer_without_the_network(planni
         assert "not checked" not in out
     assert err.strip().endswith("is outside the model's vocabulary of 4000 (was the data tokenized with another "
                                 "tokenizer, or is the model's vocab_size too small?)")  # fmt: skip
+
+
+def test_parameter_summary_counts_zero3_shards_at_their_full_size():
+    model = torch.nn.Linear(4, 3)  # 12 + 3 parameters
+    for param in model.parameters():  # as ZeRO-3 leaves them: an empty shard, the full size in ds_numel
+        param.ds_numel = param.numel()
+        param.data = torch.empty(0)
+    model.bias.requires_grad_(False)
+    assert parameter_summary(model) == "parameters: 12 trainable of 15 (80.00%)"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from longalign.arguments import at_least
 from longalign.datagen.prompts import SHIPPED
 from longalign.serving import ChatClient, add_server_arguments, server_settings
-from longalign.serving import _integer_at_least as _at_least
 
 DESCRIPTION = """\
 Long instruction data from any OpenAI-compatible model (vllm serve, SGLang, a hosted API), written as chat
@@ -60,13 +60,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         )
         add(sub)
         sub.add_argument("--output", required=True, help="output directory (replaced atomically)")
-        sub.add_argument("--seed", type=_at_least(0), default=0, help="seed of task choices and of the calls")
+        sub.add_argument("--seed", type=at_least(0), default=0, help="seed of task choices and of the calls")
         sub.add_argument(
             "--temperature", type=float, default=0.7, help="sampling temperature of every call (default 0.7)"
         )
         sub.add_argument(
             "--max-new-tokens",
-            type=_at_least(1),
+            type=at_least(1),
             default=4096,
             help="longest reply of one call (default 4096)",
         )
@@ -80,14 +80,14 @@ def _self_instruct_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", required=True, help="the tokenizer of the model you will train")
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument(
-        "--min-tokens", type=_at_least(0), default=0, help="documents shorter than this are skipped"
+        "--min-tokens", type=at_least(0), default=0, help="documents shorter than this are skipped"
     )
     parser.add_argument(
-        "--max-tokens", type=_at_least(1), required=True, help="longer documents are cut at a paragraph break"
+        "--max-tokens", type=at_least(1), required=True, help="longer documents are cut at a paragraph break"
     )
     parser.add_argument("--tasks", help="task types, comma-separated (default: all those in tasks.txt)")
-    parser.add_argument("--per-doc", type=_at_least(1), default=1, help="samples per document (default 1)")
-    parser.add_argument("--turns", type=_at_least(1), default=1, help="user turns per sample (default 1)")
+    parser.add_argument("--per-doc", type=at_least(1), default=1, help="samples per document (default 1)")
+    parser.add_argument("--turns", type=at_least(1), default=1, help="user turns per sample (default 1)")
     parser.add_argument("--prompts", help="a directory of prompt files that replace the shipped ones")
 
 
@@ -100,7 +100,7 @@ def _agentwrite_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-steps",
-        type=_at_least(1),
+        type=at_least(1),
         default=20,
         help="plans with more paragraphs are dropped (default 20)",
     )
