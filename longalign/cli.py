@@ -24,6 +24,7 @@ from pathlib import Path
 
 from longalign import reports
 from longalign.errors import LongAlignError, PathError
+from longalign.eval import commands as eval_commands
 
 
 @dataclass(frozen=True)
@@ -398,6 +399,12 @@ COMMANDS = {
         "Exit status: 0 when every rank agrees, 1 otherwise (naming the rank and the fix), 2 for bad input.",
         _preflight_arguments,
         _preflight,
+    ),
+    "eval": Command(
+        "evaluate a model: needle heatmap, judged long chat, long-writing length score",
+        "Evaluate a trained model: longalign eval needle|chat|write --help for each task.",
+        eval_commands.add_arguments,
+        eval_commands.run,
     ),
     "merge": Command(
         "fold a [lora] run's adapter into its base: a full model",
