@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import peft
@@ -10,6 +11,7 @@ import torch
 from conftest import TOKENIZER, tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from longalign.cli import main
 from longalign.errors import ConfigError
 from longalign.eval import needle as nd
 from longalign.eval.models import LocalGenerator, Reply, load_model, template_frame
@@ -205,3 +207,39 @@ def test_batched_generation_equals_one_prompt_at_a_time(tokenizer, pool):
         [c.prompt for c in cases]
     )
     assert one == four
+
+
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory):
+    """A tiny random Llama with the sample tokenizer, saved as a run saves its output (positions up to 512)."""
+    path = tmp_path_factory.mktemp("model")
+    tiny_model("llama", vocab_size=4096, max_position_embeddings=512).save_pretrained(path)
+    AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(path)
+    return path
+
+
+def test_logprob_grid_from_the_command_line(saved_model, tmp_path, capsys):
+    out = tmp_path / "lp"
+    args = ["eval", "needle", "--model", str(saved_model), "--score", "logprob", "--lengths", "150,300",
+            "--depths", "0,100", "--samples-per-cell", "2", "--pack-tokens", "700", "--output", str(out)]  # fmt: skip
+    assert main(args) == 0
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["prompt_tokens"] for r in rows] == [150] * 4 + [300] * 4
+    assert all(r["logprob"] < 0 and r["score"] in (0.0, 100.0) for r in rows)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["mean_logprob"] == pytest.approx(sum(r["logprob"] for r in rows) / 8, rel=1e-12)
+    assert summary["score"] == "logprob" and summary["n"] == 8
+    assert (out / "summary.csv").read_text().splitlines()[0] == "length,depth,score,n,logprob"
+    assert (out / "heatmap.png").stat().st_size > 0
+    assert "needle: 8 prompts" in capsys.readouterr().out
+    assert main(args) == 0  # an earlier eval output is replaced
+    assert [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()] == rows
+
+
+def test_a_length_over_the_models_limit_is_one_line(saved_model, tmp_path, capsys):
+    args = ["eval", "needle", "--model", str(saved_model), "--lengths", "500", "--depths", "50",
+            "--max-new-tokens", "32", "--output", str(tmp_path / "o")]  # fmt: skip
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "a prompt of 500 tokens + 32 new tokens is over the model's limit of 512" in err
+    assert not (tmp_path / "o").exists()

@@ -8,8 +8,9 @@ import socket
 from pathlib import Path
 
 import pytest
-from conftest import TOKENIZER
+from conftest import TOKENIZER, tiny_model
 from openai_stub import OpenAIStub
+from transformers import AutoTokenizer
 
 from longalign.cli import main
 from longalign.eval.judge import JUDGE_SYSTEM, QUALITY_SYSTEM
@@ -232,3 +233,25 @@ def test_the_output_may_not_be_the_data_directory(tmp_path, capsys):
         status = main(["eval", "write", *served(server), "--data", str(data), "--output", str(tmp_path)])
     assert status == 2
     assert "the output contains the input" in capsys.readouterr().err
+
+
+def test_chat_with_a_local_model_and_a_served_judge(tmp_path):
+    model = tiny_model("llama", vocab_size=4096, max_position_embeddings=512)
+    model.save_pretrained(tmp_path / "model")
+    AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(tmp_path / "model")
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "Text " * n + "Question?", "query": "Question?", "answer": "R"}) + "\n"
+                            for n in (5, 900)))  # fmt: skip
+    out = tmp_path / "chat"
+    with OpenAIStub(lambda body: "Fine. [[4]]", key=KEY) as server:
+        status = main(["eval", "chat", "--model", str(tmp_path / "model"), "--max-new-tokens", "6", "--max-length",
+                       "300", *judge(server), "--data", str(data), "--output", str(out)])  # fmt: skip
+        judged = [r["messages"][-1]["content"] for r in server.requests]
+    assert status == 0
+    rows = read_results(out)
+    assert [r["prompt_tokens"] <= 300 for r in rows] == [True, True] and rows[1]["prompt_tokens"] == 300
+    assert all(r["output"] and r["output"] in message for r, message in zip(rows, judged, strict=True))
+    assert json.loads((out / "summary.json").read_text()) == {"mean": 4.0, "n": 2, "rated": 2, "unrated": 0}
+    record = json.loads((out / "run_config.json").read_text())
+    assert record["server"] is None and record["judge"]["api_key_env"] == "OPENAI_API_KEY"
+    no_key_in(out)

@@ -18,11 +18,14 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from longalign.errors import ConfigError
 from longalign.redact import redact_text
 from longalign.serving import ChatClient, ServerSettings, add_server_arguments, server_settings
+
+if TYPE_CHECKING:
+    from longalign.eval.models import Generator
 
 DEPTHS = "0,10,20,30,40,50,60,70,80,90,100"
 JUDGE_KEY_ENV = "JUDGE_API_KEY"  # the judge's key; OPENAI_API_KEY when this one is unset
@@ -203,7 +206,7 @@ class Session:
             trust_remote_code=self.args.trust_remote_code,
         )
 
-    def generator(self, lengths: Sequence[int]):
+    def generator(self, lengths: Sequence[int]) -> Generator:
         """The local or served generator, after checking that the prompts fit the local model."""
         from longalign.eval.models import LocalGenerator, ServedGenerator, check_fits, context_limit
 
@@ -300,13 +303,6 @@ def _local_inputs(args: argparse.Namespace, *paths: Path | None) -> list[str]:
     return found
 
 
-def _say(text: str) -> None:
-    from longalign.eval.ranks import rank_and_world
-
-    if rank_and_world()[0] == 0:
-        print(text, flush=True)
-
-
 # --- needle ------------------------------------------------------------------------------------------------
 
 
@@ -389,7 +385,7 @@ def _run_needle(args: argparse.Namespace) -> int:
     )
     overall = "n/a" if summary["overall"] is None else f"{summary['overall']:.1f}"
     extra = f", mean log-probability {summary['mean_logprob']:.3f}" if "mean_logprob" in summary else ""
-    _say(f"needle: {len(rows)} prompts in {seconds:.1f} s, score {overall}{extra}; wrote {args.output}")
+    print(f"needle: {len(rows)} prompts in {seconds:.1f} s, score {overall}{extra}; wrote {args.output}")
     return 0
 
 
@@ -434,7 +430,7 @@ def _run_chat(args: argparse.Namespace) -> int:
     record = session.record({"judge": judge.client.settings.record()})
     _write_outputs(args, _local_inputs(args, args.data, args.few_shots), rows, summary, record)
     mean = "n/a" if summary["mean"] is None else f"{summary['mean']:.2f}"
-    _say(f"chat: mean rating {mean} over {summary['rated']} of {summary['n']} cases "
+    print(f"chat: mean rating {mean} over {summary['rated']} of {summary['n']} cases "
          f"({summary['unrated']} unrated); wrote {args.output}")  # fmt: skip
     return 0
 
@@ -483,7 +479,7 @@ def _run_write(args: argparse.Namespace) -> int:
         plot=lambda d: write.plot_scatter(rows, d / "scatter.png", title=title),
     )
     score = "n/a" if summary["length_score"] is None else f"{summary['length_score']:.1f}"
-    _say(f"write: length score {score} over {summary['n']} requests; wrote {args.output}")
+    print(f"write: length score {score} over {summary['n']} requests; wrote {args.output}")
     return 0
 
 
