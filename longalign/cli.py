@@ -6,6 +6,7 @@
     longalign probe --config run.toml --lengths 16k,32k,64k
     accelerate launch -m longalign preflight --config run.toml
     longalign merge --adapter out/run --output out/merged
+    longalign eval needle --model out/run --lengths 4k,8k,16k --output out/eval/needle
 
 ``scripts/pre_tokenize.py``, ``scripts/sort_and_group.py``, ``scripts/probe_memory.py``,
 ``scripts/preflight.py``, ``scripts/merge_adapter.py`` and ``train.py`` run the same subcommands. Every command reports a bad argument,

@@ -358,7 +358,10 @@ def _run_needle(args: argparse.Namespace) -> int:
 
         def work(mine):
             scores = nd.score_answers(
-                model, [(c.prompt.input_ids, c.answer_ids) for c in mine], pack_tokens=pack_tokens
+                model,
+                [(c.prompt.input_ids, c.answer_ids) for c in mine],
+                pack_tokens=pack_tokens,
+                progress="needle (rows)",
             )
             return [nd.logprob_row(c, s, session.tokenizer) for c, s in zip(mine, scores, strict=True)]
     else:

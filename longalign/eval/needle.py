@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from longalign.errors import ConfigError, InputError, PathError
 from longalign.eval.models import Prompt, Reply, template_frame
@@ -264,7 +265,11 @@ def pack_rows(lengths: Sequence[int], pack_tokens: int) -> list[list[int]]:
 
 @torch.inference_mode()
 def score_answers(
-    model: torch.nn.Module, sequences: Sequence[tuple[list[int], list[int]]], *, pack_tokens: int
+    model: torch.nn.Module,
+    sequences: Sequence[tuple[list[int], list[int]]],
+    *,
+    pack_tokens: int,
+    progress: str | None = None,
 ) -> list[AnswerScore]:
     """For each ``(prompt_ids, answer_ids)``, the answer's log-probabilities in one teacher-forced forward.
 
@@ -274,11 +279,13 @@ def score_answers(
         row          [p p p a a | p p a | p p p p a a a]
         position_ids [0 1 2 3 4 | 0 1 2 | 0 1 2 3 4 5 6]
         read at          ^ ^        ^         ^ ^ ^      (the logits that predict each answer token)
+
+    ``progress`` titles a progress bar over the rows on stderr.
     """
     device = next(model.parameters()).device
     scores: list[AnswerScore | None] = [None] * len(sequences)
     lengths = [len(p) + len(a) - 1 for p, a in sequences]  # the last answer token is never an input
-    for members in pack_rows(lengths, pack_tokens):
+    for members in tqdm(pack_rows(lengths, pack_tokens), desc=progress, disable=progress is None):
         ids, positions, reads, seq_lens = [], [], [], []
         for i in members:
             prompt, answer = sequences[i]
