@@ -13,7 +13,7 @@ from test_packing import make_samples, save_samples
 from longalign.cli import COMMANDS, main
 from longalign.reports import PLOT_NAME
 
-SUBCOMMANDS = ["pre-tokenize", "pack", "train", "probe", "preflight", "merge"]
+SUBCOMMANDS = ["pre-tokenize", "pack", "train", "probe", "preflight", "eval", "merge"]
 
 
 def test_help_lists_the_subcommands(capsys):

@@ -114,17 +114,16 @@ def read_haystack(source: Path) -> list[str]:
 
 
 def haystack_pool(tokenizer, source: Path | None, *, seed: int, tokens: int) -> list[list[int]]:
-    """Haystack sentences in token ids, each encoded once with its leading space, at least ``tokens`` in all.
+    """Haystack sentences in token ids, each encoded once with its leading space.
 
-    From ``source`` (repeated as needed), or generated filler when it is None.
+    From ``source``, or generated filler (about ``tokens`` of it) when it is None. ``build_cases`` wraps
+    around the pool when a prompt needs more.
     """
     if source is None:
         sentences = filler_sentences(random.Random(f"haystack:{seed}"), max(64, tokens // 8))
     else:
         sentences = read_haystack(source)
-    pool = tokenizer([" " + s for s in sentences], add_special_tokens=False).input_ids
-    total = sum(map(len, pool))
-    return pool * -(-tokens // total) if total < tokens else pool
+    return tokenizer([" " + s for s in sentences], add_special_tokens=False).input_ids
 
 
 def nearest_boundary(sentence_lens: Sequence[int], haystack_len: int, depth: int) -> int:
