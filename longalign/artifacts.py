@@ -18,15 +18,11 @@ the next run that writes next to it. New directories get the permissions of the 
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import shutil
-import signal
 import socket
-import sys
 import tempfile
-import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -35,6 +31,7 @@ from typing import Any
 import datasets
 
 from longalign.errors import ConfigError, InputError, PathError
+from longalign.processes import sigterm_as_exit
 
 REPORT_NAME = "report.json"
 MARKER_NAME = ".longalign-stage"
@@ -122,7 +119,7 @@ def staging_dir(parent: str | os.PathLike, name: str) -> Iterator[Path]:
     owner = {"host": socket.gethostname(), "pid": os.getpid()}
     (staging / _OWNER_NAME).write_text(json.dumps(owner), encoding="utf-8")
     try:
-        with _sigterm_as_exit():
+        with sigterm_as_exit():
             yield staging
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # gone already when it became the output
@@ -171,81 +168,18 @@ def _umask() -> int:
     return mask
 
 
-class Terminated(SystemExit):
-    """SIGTERM while a stage runs: the process exits with status 143 once ``finally`` blocks cleaned up."""
-
-
-_stage_pid: int | None = None  # the process whose stage turned SIGTERM into ``Terminated``
-_PR_SET_PDEATHSIG = 1  # prctl option (Linux): a signal for this process when its parent ends
-
-
-def _leave_on_sigterm(signum: int, frame: Any) -> None:
-    raise Terminated(128 + signum)
-
-
-def _in_forked_child() -> None:
-    """A child forked during a stage (datasets' pool workers, its queue manager) ends on SIGTERM as usual,
-    and ends with the stage's process.
-
-    A Python handler runs only when the child's main thread gets back to the interpreter. Workers idle
-    in the pool's queue lock were seen never to (after about one ``--strict`` error in ten with
-    ``num_proc`` 2), and the pool's ``terminate`` waited for them forever. So a forked child gets the
-    default back at fork, before any signal can come. On Linux it also asks for SIGTERM when its parent
-    ends: after a ``kill -9`` of the stage, its workers would otherwise wait for work forever.
-    """
-    if signal.getsignal(signal.SIGTERM) is not _leave_on_sigterm:
-        return
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    if sys.platform == "linux":
-        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != _stage_pid:  # the parent ended before the request was in place
-            os.kill(os.getpid(), signal.SIGTERM)
-
-
-os.register_at_fork(after_in_child=_in_forked_child)
-
-
-def _terminated(err: BaseException) -> Terminated | None:
-    """The ``Terminated`` that ``err`` was raised while handling, if any (a library may replace it)."""
-    seen = set()
-    while err is not None and id(err) not in seen:
-        if isinstance(err, Terminated):
-            return err
-        seen.add(id(err))
-        err = err.__cause__ or err.__context__
-    return None
-
-
-@contextmanager
-def _sigterm_as_exit() -> Iterator[None]:
-    """While the block runs, SIGTERM raises ``Terminated`` (status 143) so that ``finally`` blocks clean up.
-
-    Code that turns it into another error while cleaning up (datasets' process pool does) still ends
-    in ``Terminated``: a stopped stage exits with 143, not with that error's traceback.
-    """
-    global _stage_pid
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, _leave_on_sigterm)
-    outer, _stage_pid = _stage_pid, os.getpid()
-    try:
-        yield
-    except Exception as err:
-        stop = _terminated(err)
-        if stop is None:
-            raise
-        raise stop from None
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        _stage_pid = outer
+def write_json(path: str | os.PathLike, value: Any) -> Path:
+    """Write ``value`` as indented JSON to ``path``: readers see the old file or the whole new one."""
+    path = Path(path)
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")
+    os.replace(partial, path)
+    return path
 
 
 def write_report(directory: str | os.PathLike, report: dict[str, Any]) -> Path:
-    """Write ``report`` as indented JSON to ``directory/report.json``."""
-    path = Path(directory) / REPORT_NAME
-    path.write_text(json.dumps(report, indent=2, sort_keys=False) + "\n", encoding="utf-8")
-    return path
+    """Write ``report`` to ``directory/report.json``."""
+    return write_json(Path(directory) / REPORT_NAME, report)
 
 
 def read_report(directory: str | os.PathLike) -> dict[str, Any]:

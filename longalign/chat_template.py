@@ -39,8 +39,12 @@ def open_tokenizer(name: str, *, trust_remote_code: bool = False):
     local = Path(name).expanduser()
     if (name.startswith((".", "/", "~")) or local.exists()) and not local.is_dir():
         raise InputError(f"{name}: no tokenizer there (a directory with tokenizer files, or a Hub name)")
+    from longalign import checkpoints
+
+    # A ChatGLM checkpoint's tokenizer is built from its rank file; its remote class never runs.
+    tokenizer = checkpoints.open_tokenizer(name, trust_remote_code=trust_remote_code)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+        tokenizer = tokenizer or AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
         message = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise InputError(f"{name}: cannot load a tokenizer ({message})") from None

@@ -6,7 +6,9 @@
     longalign probe --config run.toml --lengths 16k,32k,64k
     accelerate launch -m longalign preflight --config run.toml
     longalign merge --adapter out/run --output out/merged
+    longalign data self-instruct --docs docs/ --tokenizer MODEL --max-tokens 60000 --output out/gen --base-url URL --served-model NAME
     longalign eval needle --model out/run --lengths 4k,8k,16k --output out/eval/needle
+    longalign convert THUDM/glm-4-9b-chat out/glm-4-9b-chat-native
 
 ``scripts/pre_tokenize.py``, ``scripts/sort_and_group.py``, ``scripts/probe_memory.py``,
 ``scripts/preflight.py``, ``scripts/merge_adapter.py`` and ``train.py`` run the same subcommands. Every command reports a bad argument,
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from longalign import reports
+from longalign.datagen import command as datagen
 from longalign.errors import LongAlignError, PathError
 from longalign.eval import commands as eval_commands
 
@@ -184,6 +187,11 @@ def _pack_arguments(parser: argparse.ArgumentParser) -> None:
         "--batch-size", type=_at_least(1), default=1, help="samples per batch (strategy sorted)"
     )
     parser.add_argument(
+        "--sort-by-length",
+        action="store_true",
+        help="order the samples by length before packing; with greedy: LongAlign's sort-and-group",
+    )
+    parser.add_argument(
         "--drop-long", action="store_true", help="leave out samples over --max-seq-len instead of failing"
     )
     parser.add_argument(
@@ -206,6 +214,7 @@ def _pack(args: argparse.Namespace) -> int:
         strategy=args.strategy,
         seed=args.seed,
         batch_size=args.batch_size,
+        sort_by_length=args.sort_by_length,
         drop_long=args.drop_long,
         min_sample_len=args.min_seq_len,
         max_sample_len=args.max_seq_len_filter,
@@ -345,6 +354,31 @@ def _merge(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- convert ----------------------------------------------------------------------------------------------
+
+
+def _convert_arguments(parser: argparse.ArgumentParser) -> None:
+    from longalign.checkpoints import LAYOUTS
+    from longalign.config import TORCH_DTYPES
+
+    parser.add_argument("source", help="checkpoint directory, or a Hub id already in the local cache")
+    parser.add_argument("output", help="directory for the converted checkpoint (replaced atomically)")
+    parser.add_argument(
+        "--to", choices=LAYOUTS, help="the layout to write; default: the one SOURCE is not in"
+    )
+    parser.add_argument(
+        "--dtype", choices=TORCH_DTYPES, default="auto", help="cast the weights; auto: as stored"
+    )
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from longalign.checkpoints import convert
+
+    layout = convert(args.source, args.output, to=args.to, dtype=args.dtype)
+    print(f"wrote {args.output}: {args.source} in the {layout} layout")
+    return 0
+
+
 COMMANDS = {
     "pre-tokenize": Command(
         "chat data -> tokenized samples with assistant-only labels",
@@ -401,6 +435,12 @@ COMMANDS = {
         _preflight_arguments,
         _preflight,
     ),
+    "data": Command(
+        "long instruction data from documents or writing prompts, through any OpenAI-compatible model",
+        datagen.DESCRIPTION,
+        datagen.add_arguments,
+        datagen.run,
+    ),
     "eval": Command(
         "evaluate a model: needle heatmap, judged long chat, long-writing length score",
         "Evaluate a trained model: longalign eval needle|chat|write --help for each task.",
@@ -418,5 +458,18 @@ COMMANDS = {
         "the unquantized base. Exit status: 0 written, 2 for bad input.",
         _merge_arguments,
         _merge,
+    ),
+    "convert": Command(
+        "GLM-4-9B's ChatGLM layout <-> transformers' GlmForCausalLM, offline",
+        "Convert a checkpoint between GLM-4-9B's ChatGLM layout (model_type chatglm, remote code) and\n"
+        "transformers' own GlmForCausalLM, without running the checkpoint's code.\n\n"
+        "    longalign convert THUDM/glm-4-9b-chat out/glm-4-9b-chat-native\n"
+        "    longalign convert out/run/checkpoint-200 out/chatglm-200 --to chatglm\n\n"
+        "ChatGLM -> native writes GlmForCausalLM and tokenizer.json (built from tokenizer.model); native ->\n"
+        "ChatGLM writes the fused weights and config.json (the original one when SOURCE was converted from it);\n"
+        "copy tokenizer.model and the .py files from the original checkpoint for its remote code. Weights are\n"
+        "renamed, split or joined, never changed, unless --dtype casts them. Exit status: 0 written, 2 for bad input.",
+        _convert_arguments,
+        _convert,
     ),
 }

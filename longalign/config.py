@@ -45,6 +45,7 @@ from typing import Any, Literal
 from longalign.attention import BACKENDS
 from longalign.batching import WEIGHTINGS
 from longalign.errors import ConfigError, InputError
+from longalign.labels import IGNORE_INDEX
 from longalign.packing import STRATEGIES
 from longalign.sources import Source
 from longalign.tokenize import TRUNCATIONS
@@ -125,6 +126,10 @@ class DataConfig:
 @dataclass
 class PackingConfig:
     strategy: str = "bfd"  # bfd | ffd | greedy | sorted (LongAlign's sorted batching) | none (no packing)
+    # Order the samples by length before the strategy: with greedy, LongAlign's sort-and-group (next-fit over
+    # the sorted samples); bfd, ffd and sorted sort anyway. With packing off (strategy none) or nothing said
+    # about packing, the strategy becomes sorted.
+    sort_by_length: bool = False
     batch_size: int = 8  # samples per batch for the sorted strategy
     seed: int = 42  # pack order and sorted-batch shuffle
     drop_long: bool = False  # drop samples over max_seq_len instead of failing
@@ -150,7 +155,6 @@ class LossConfig:
     weighting: str = (
         "sequence_level"  # sequence_level (LongAlign) | token_level | pack_token_mean | longwriter
     )
-    ignore_index: int = -100  # label value that is not a target
     chunk_size: int = 4096  # tokens per logits chunk; smaller saves memory, larger is faster
     longwriter_divisor: float = 30.0  # the constant of the longwriter reference loss
 
@@ -171,6 +175,7 @@ class ModelConfig:
     trust_remote_code: bool = False
     attn_backend: str = "auto"  # auto (the fastest that runs) | flash_attn | flash_attn_cute | ...
     torch_dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    save_format: str = "auto"  # auto: the layout the model was loaded in (ChatGLM stays ChatGLM) | native
 
     def __post_init__(self) -> None:
         if not self.model_name_or_path and self.init_from_config is None:
@@ -181,6 +186,8 @@ class ModelConfig:
             raise ConfigError(
                 f"model.attn_backend: {self.attn_backend!r} is not one of auto, {', '.join(BACKENDS)}"
             )
+        if self.save_format not in ("auto", "native"):
+            raise ConfigError(f"model.save_format: {self.save_format!r} is not one of auto, native")
         if self.torch_dtype not in TORCH_DTYPES:
             raise ConfigError(
                 f"model.torch_dtype: {self.torch_dtype!r} is not one of {', '.join(TORCH_DTYPES)}"
@@ -298,10 +305,9 @@ class Alias:
 
 
 ALIASES = {
-    "data.packing": Alias("packing.strategy", {False: "none"}, excludes={True: ("none",)}),
-    "data.sort_by_length": Alias("packing.strategy", {True: "sorted"}, excludes={False: ("sorted",)}),
-    "packing.packing": Alias("packing.strategy", {False: "none"}, excludes={True: ("none",)}),
-    "packing.sort_by_length": Alias("packing.strategy", {True: "sorted"}, excludes={False: ("sorted",)}),
+    "data.packing": Alias("packing.strategy", {False: "none"}, excludes={True: ("none", "sorted")}),
+    "packing.packing": Alias("packing.strategy", {False: "none"}, excludes={True: ("none", "sorted")}),
+    "data.sort_by_length": Alias("packing.sort_by_length"),  # see _resolve_sorting
     "loss.normalize_by_tokens": Alias("loss.weighting", {True: "token_level", False: "sequence_level"}),
     # true lets `auto` pick flash-attn where it runs; false pins the exact per-sample path.
     "model.use_flash_attention": Alias(
@@ -314,6 +320,14 @@ ALIASES = {
     "lora.lora_alpha": Alias("lora.alpha"),
     "lora.lora_dropout": Alias("lora.dropout"),
     "lora.modules_to_save": Alias("lora.trainable"),
+}
+
+# Keys that run files carry for a value longalign fixes: the one value accepted (it sets nothing), and why.
+FIXED = {
+    "loss.ignore_index": (
+        IGNORE_INDEX,
+        "labels mark non-targets with -100: pre-tokenize writes it, the loss reads it",
+    ),
 }
 
 # Keys that say the same thing two ways: a layer (the command line) that sets one drops the other from the
@@ -386,6 +400,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
                     sources.pop(other, None)
             values[key] = value
             sources[key] = origin if written == key else f"{origin} (as {written})"
+    _resolve_sorting(values, sources, packing_on=any(_says_packing(tables) for _, tables in layers))
     built: dict[str, Any] = {}
     for name, cls in SECTIONS.items():
         if cls is LoraConfig and not any(name in tables for _, tables in layers):
@@ -397,6 +412,35 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         else:
             built[name] = cls(**table)
     return Config(**built, sources=sources)
+
+
+def _says_packing(tables: dict[str, Any]) -> bool:
+    """Whether a layer turns packing on by name (``data.packing = true`` or ``packing.packing = true``)."""
+    return any(
+        isinstance(t, dict) and t.get("packing") is True for t in (tables.get("data"), tables.get("packing"))
+    )
+
+
+def _resolve_sorting(values: dict[str, Any], sources: dict[str, str], *, packing_on: bool) -> None:
+    """Give ``packing.sort_by_length`` its meaning next to the strategy, in place.
+
+    With packing on (a packing strategy, or ``packing = true``) the samples are sorted before packing:
+    ``packing = true, sort_by_length = true, strategy = "greedy"`` is LongAlign's sort-and-group. With
+    packing off (``packing = false``: strategy ``none``), or packing not mentioned at all, it is sorted
+    batching, strategy ``sorted``. ``sort_by_length = false`` written next to strategy ``sorted`` is a
+    contradiction.
+    """
+    sort = values.get("packing.sort_by_length")
+    strategy = values.get("packing.strategy")
+    if sort is False and strategy == "sorted":
+        raise ConfigError(
+            f"packing.sort_by_length = false ({sources['packing.sort_by_length']}) contradicts "
+            f'packing.strategy = "sorted" ({sources["packing.strategy"]}), which sorts by length'
+        )
+    if sort and (strategy == "none" or (strategy is None and not packing_on)):
+        values["packing.strategy"] = "sorted"
+        how = sources["packing.sort_by_length"]
+        sources["packing.strategy"] = how if strategy is None else f"{sources['packing.strategy']} + {how}"
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
@@ -438,7 +482,11 @@ def _canonical(tables: dict[str, Any]) -> dict[str, tuple[Any, str]]:
         written.update({f"{section}.{key}": value for key, value in table.items()})
     out: dict[str, tuple[Any, str]] = {}
     for key, value in written.items():
-        if key not in ALIASES:
+        if key in FIXED:
+            fixed, why = FIXED[key]
+            if value != fixed:
+                raise ConfigError(f"{key}: only {fixed} is accepted ({why}), got {_shown(value)}")
+        elif key not in ALIASES:
             _check_value(key, value, key)
             out[key] = (value, key)
     excluded: list[tuple[str, Any, Alias]] = []

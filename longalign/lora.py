@@ -23,8 +23,10 @@ contract of ``longalign.loss`` for a head that peft wrapped.
 from __future__ import annotations
 
 import importlib.util
+import shutil
+import tempfile
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +35,13 @@ import torch
 from peft.tuners.lora import Linear as LoraLinear
 from peft.utils import ModulesToSaveWrapper
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+from transformers import AutoTokenizer, BitsAndBytesConfig
 
+from longalign import checkpoints
 from longalign.artifacts import stage_output
 from longalign.config import LoraConfig
 from longalign.errors import ConfigError, ModelError, PathError
-from longalign.loss import LinearInputs
+from longalign.loss import LinearInputs, linear_head
 from longalign.patch import check_model
 from longalign.patch.glm import GLM, GLM4
 from longalign.patch.llama import LLAMA
@@ -206,11 +209,32 @@ def save_base(model: nn.Module, output_dir: str | Path) -> str:
     return str(target)
 
 
-def adapted_head(head: nn.Module) -> Callable[[torch.Tensor], LinearInputs]:
-    """``hidden -> (hidden', weight, bias)`` with ``head(hidden) == hidden' @ weight^T + bias`` for an output
-    layer that peft wrapped; raises ``ValueError`` for a wrapping the chunked loss cannot follow.
+def adapter_saver(
+    base_model: str, save_format: str, *, trust_remote_code: bool = False
+) -> Callable[[nn.Module, Path, Mapping[str, torch.Tensor] | None], None] | None:
+    """How a ``[lora]`` run writes its final adapter on a ChatGLM-layout base: peft's files, with that
+    layout's names (``checkpoints.adapter_to_chatglm``) and the base's tokenizer files; ``None`` otherwise.
+    """
+    checkpoint = checkpoints.find_checkpoint(base_model, trust_remote_code=trust_remote_code)
+    if save_format == checkpoints.NATIVE or checkpoint.layout != checkpoints.CHATGLM:
+        return None
 
-    A trained copy (``modules_to_save``) is read as its copy. A LoRA adapter on the head,
+    def save(model: nn.Module, output_dir: Path, state: Mapping[str, torch.Tensor] | None) -> None:
+        # peft would read the base's config.json as the native class's to see whether the vocabulary was
+        # resized; for this layout it reads defaults. Trained embeddings are saved as modules_to_save anyway.
+        model.save_pretrained(output_dir, state_dict=state, save_embedding_layers=False)
+        checkpoints.rewrite_adapter(output_dir, checkpoint.config, to=checkpoints.CHATGLM)
+        checkpoints.copy_tokenizer_files(checkpoint.path, output_dir)
+
+    return save
+
+
+def adapted_head(head: nn.Module) -> Callable[[torch.Tensor], LinearInputs]:
+    """The loss's :data:`~longalign.loss.HeadReader` for a model with adapters: ``hidden -> (hidden', weight,
+    bias)`` with ``head(hidden) == hidden' @ weight^T + bias``; raises ``ModelError`` for a wrapping the
+    chunked loss cannot follow.
+
+    A head left alone is read as the ``torch.nn.Linear`` it is. A trained copy (``modules_to_save``) is read as its copy. A LoRA adapter on the head,
     ``x W^T + b + s * dropout(x) A^T B^T`` with ``s = alpha / r``, is one linear map over hidden states
     widened by the adapter's ``r`` inputs. Built inside the head's own call on every step, so the
     adapter's gradient flows through the loss's backward, dropout included::
@@ -218,6 +242,8 @@ def adapted_head(head: nn.Module) -> Callable[[torch.Tensor], LinearInputs]:
         hidden'  [x | s * dropout(x) A^T]      [T, H + r]
         weight   [W | B]                       [V, H + r]
     """
+    if type(head) is nn.Linear:
+        return linear_head(head)
     if isinstance(head, ModulesToSaveWrapper):
         active = head.active_adapters
         layer = (
@@ -264,7 +290,8 @@ def merge_adapter(
     the run started from, or for a random ``init_from_config`` base the copy the run saved as
     ``output_dir/base_model``. A QLoRA adapter merges into the base in ``dtype``, unquantized. The
     output follows the rules of every stage's ``--output``; the result loads with
-    ``AutoModelForCausalLM.from_pretrained``.
+    ``AutoModelForCausalLM.from_pretrained``, or for a ChatGLM-layout base is written in that layout (its
+    config, tokenizer and code files copied), whichever layout the adapter was saved in.
     """
     adapter_dir = Path(adapter_dir)
     if not (adapter_dir / "adapter_config.json").is_file():
@@ -276,14 +303,25 @@ def merge_adapter(
         raise ConfigError(f"{adapter_dir}: its adapter_config.json names no base model; pass --base")
     if Path(base).is_absolute() and not Path(base).is_dir():
         raise PathError(f"{adapter_dir}: its base model {base} is not there (moved?); pass --base")
-    with stage_output(output_dir, stage="merge", inputs=[adapter_dir]) as staging:
-        model = AutoModelForCausalLM.from_pretrained(
-            base, dtype=dtype if dtype == "auto" else getattr(torch, dtype)
-        )
-        merged = peft.PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+    checkpoint = checkpoints.find_checkpoint(base)
+    with (
+        stage_output(output_dir, stage="merge", inputs=[adapter_dir]) as staging,
+        tempfile.TemporaryDirectory() as tmp,
+    ):
+        model = checkpoints.load_model(base, dtype=dtype if dtype == "auto" else getattr(torch, dtype))
+        adapter = str(adapter_dir)
+        if checkpoints.is_chatglm_adapter(adapter_dir):  # peft loads it onto GlmForCausalLM's names
+            for name in ("adapter_model.safetensors", "adapter_config.json"):
+                shutil.copyfile(adapter_dir / name, Path(tmp) / name)
+            checkpoints.rewrite_adapter(Path(tmp), checkpoint.config, to=checkpoints.NATIVE)
+            adapter = tmp
+        merged = peft.PeftModel.from_pretrained(model, adapter).merge_and_unload()
         # The run switched the KV cache off for packed training; generation wants it back.
         merged.config.use_cache = True
-        merged.save_pretrained(staging)
-        if (adapter_dir / "tokenizer_config.json").is_file():
-            AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(staging)
+        if checkpoint.layout == checkpoints.CHATGLM:
+            checkpoints.save_chatglm(merged.state_dict(), staging, source=checkpoint.path)
+        else:
+            merged.save_pretrained(staging)
+            if (adapter_dir / "tokenizer_config.json").is_file():
+                AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(staging)
     return Path(output_dir)

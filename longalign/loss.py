@@ -8,8 +8,8 @@ and what a sharded row must keep)::
 1. **Who computes what.** The model runs its own ``forward`` (wrapped or not: DDP, FSDP, DeepSpeed) with
    ``use_cache=False`` and ``logits_to_keep=0``. While :class:`LossHead` is installed on the unwrapped
    model, the output layer's ``forward`` receives the final hidden states ``[B, T, H]`` and returns the
-   micro-batch's weighted loss sum ``S = sum_t w_t * CE_t`` (float32, shape ``[1, 1, 1]``) in place of
-   logits; the model output's ``logits`` field carries ``S`` out. Nothing after the head may transform it,
+   micro-batch's weighted loss sum ``S = sum_t w_t * CE_t`` (shape ``[1, 1, 1]``; float32, or float64 for a
+   float64 model) in place of logits; the model output's ``logits`` field carries ``S`` out. Nothing after the head may transform it,
    so models that scale or soft-cap their logits after the head are refused.
 2. **Targets.** The batch carries ``labels`` and ``loss_weights`` aligned with the tokens the model sees.
    By default position ``t`` predicts ``labels[t + 1]`` inside its row (labels not shifted, as the
@@ -21,15 +21,18 @@ and what a sharded row must keep)::
    used inside the head module's own call, so FSDP and DeepSpeed ZeRO-3 gather it around forward and
    backward as for any layer, and its gradient flows through the normal backward. ``S`` reads only the
    hidden states and targets it is given, so it is exact on a slice of a row.
-4. **Adapters.** The head may sit inside a peft model, frozen (no weight gradient is computed), trained
-   whole, or with a LoRA adapter of its own, whose effective weight is built inside the head's call
-   (:func:`head_as_linear`) so that the adapter's gradient comes out of the same backward.
+4. **Reading the head.** The loss reads the output layer through a :data:`HeadReader`: a function that
+   turns the head module into ``hidden -> (hidden', weight, bias)`` with logits ``hidden' @ weight^T + bias``,
+   called inside the head's own call. :func:`linear_head` reads a ``torch.nn.Linear``; a module that wraps
+   the head in another way (adapters: ``longalign.lora.adapted_head``) brings its own reader, so that,
+   say, an adapter's gradient comes out of the same backward.
 
 The trainer divides ``S`` by the step's denominator (the sum of ``loss_weights`` over all micro-batches
 and ranks of the step).
 
 Memory: logits are computed in the model's dtype and upcast to float32 per chunk (as transformers' own
-loss upcasts); softmax and cross-entropy run in float32. The loss holds one float32 ``[chunk_size, V]``
+loss upcasts); softmax and cross-entropy run in float32 (in float64 for a float64 model, which is how the
+tests check identities exactly on any CPU). The loss holds one float32 ``[chunk_size, V]``
 buffer at a time (two with a soft-cap; plus the model-dtype product before the upcast when the model is
 not float32; 2 GiB at 4096 x 128k), and the head's gradient is summed over chunks in a float32 ``[V, H]``
 buffer. ``benchmarks/loss_memory.py`` compares it with transformers' full-logits loss.
@@ -67,12 +70,18 @@ def _logits(
     softcap: float | None,
 ) -> torch.Tensor:
     """Float32 logits of one chunk: ``softcap * tanh(scale * (h W^T + b) / softcap)``."""
-    logits = nn.functional.linear(hidden, weight, bias).float()
+    logits = nn.functional.linear(hidden, weight, bias)
+    logits = logits.to(_loss_dtype(logits.dtype))
     if logit_scale is not None:
         logits *= logit_scale
     if softcap is not None:
         logits.div_(softcap).tanh_().mul_(softcap)
     return logits
+
+
+def _loss_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for the model dtypes of training (bf16, fp16, fp32); float64 stays float64."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def _chunk_loss(
@@ -122,7 +131,7 @@ def _chunk_backward(
     if grad_hidden is not None:
         torch.mm(grad, weight, out=grad_hidden)
     if grad_weight is not None:
-        if weight.dtype == torch.float32:
+        if weight.dtype == grad_weight.dtype:
             grad_weight.addmm_(grad.t(), hidden)  # in place: no [V, H] temporary
         else:
             grad_weight += grad.t() @ hidden  # product in the model dtype, summed over chunks in fp32
@@ -143,7 +152,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         softcap: float | None,
         chunk_size: int,
     ) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        total = torch.zeros((), dtype=_loss_dtype(hidden.dtype), device=hidden.device)
         for rows in _chunks(len(targets), chunk_size):
             total += _chunk_loss(
                 hidden[rows], weight, bias, targets[rows], target_weights[rows], logit_scale, softcap
@@ -157,8 +166,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         hidden, weight, bias, targets, target_weights = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight else None
-        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if need_bias else None
+        grad_weight = torch.zeros_like(weight, dtype=_loss_dtype(weight.dtype)) if need_weight else None
+        grad_bias = torch.zeros_like(bias, dtype=_loss_dtype(bias.dtype)) if need_bias else None
         target_weights = target_weights * grad_total
         for rows in _chunks(len(targets), ctx.chunk_size):
             _chunk_backward(
@@ -234,7 +243,7 @@ def weighted_token_loss(
         lm_head_weight,
         lm_head_bias,
         next_labels[rows],
-        next_weights[rows].float(),
+        next_weights[rows].to(_loss_dtype(hidden.dtype)),
         logit_scale,
         final_logit_softcap,
         chunk_size,
@@ -265,40 +274,41 @@ _NOT_OUTPUT_FIELD = re.compile(r"attn|attention|router|init")
 
 
 LinearInputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # hidden, weight, bias
+# The loss's view of an output layer: head module -> (hidden -> LinearInputs), logits = hidden' @ weight^T + bias.
+# Raises ModelError for a head it cannot read.
+HeadReader = Callable[[nn.Module], Callable[[torch.Tensor], LinearInputs]]
 
 
-def head_as_linear(model: nn.Module, head: nn.Module) -> Callable[[torch.Tensor], LinearInputs]:
-    """The output layer as ``hidden -> (hidden', weight, bias)``, its logits being ``hidden' @ weight^T + bias``.
+def linear_head(head: nn.Module) -> Callable[[torch.Tensor], LinearInputs]:
+    """The :data:`HeadReader` of a plain ``torch.nn.Linear`` output layer: ``hidden -> (hidden, W, b)``.
 
-    A ``torch.nn.Linear`` is read as it is. A head that peft wrapped, trained whole or with a LoRA
-    adapter, is read by :func:`longalign.lora.adapted_head`, which widens ``hidden`` by the adapter's
-    inputs. Raises ``ValueError`` naming any other layer (quantized, custom).
+    Raises ``ModelError`` naming any other layer (quantized, custom, or wrapped without a reader).
     """
-    if type(head) is nn.Linear:
-        return lambda hidden: (hidden, head.weight, head.bias)
-    if type(head).__module__.startswith("peft."):
-        from longalign.lora import adapted_head  # only a model with adapters has such a head
-
-        try:
-            return adapted_head(head)
-        except ValueError as err:
-            raise ModelError(f"{type(model).__name__}: {err}") from None
-    raise ModelError(
-        f"{type(model).__name__}: output layer is {type(head).__name__}, the chunked loss supports a "
-        "torch.nn.Linear, frozen, trained, or with a peft LoRA adapter (not quantized)"
-    )
+    if type(head) is not nn.Linear:
+        raise ModelError(
+            f"output layer is {type(head).__name__}; the chunked loss reads a torch.nn.Linear (or a head "
+            "whose wrapper brings its reader, as LoRA adapters do)"
+        )
+    return lambda hidden: (hidden, head.weight, head.bias)
 
 
-def lm_head_spec(model: nn.Module) -> LMHead:
+def _read(model: nn.Module, head: nn.Module, read_head: HeadReader) -> Callable[[torch.Tensor], LinearInputs]:
+    try:
+        return read_head(head)
+    except ModelError as err:
+        raise ModelError(f"{type(model).__name__}: {err}") from None
+
+
+def lm_head_spec(model: nn.Module, read_head: HeadReader = linear_head) -> LMHead:
     """The output layer of a transformers causal LM, with any logit scale or soft-cap from its config.
 
     Raises ``ModelError`` naming the module class or config field when the model's logits are computed
     in a way this loss does not reproduce. Read it every step, after ``forward_hidden``: sharding
     backends may swap the parameter objects between steps. For a head with a LoRA adapter, ``weight``
-    is its frozen base (:func:`head_as_linear` adds the adapter).
+    is its frozen base (its ``read_head`` adds the adapter).
     """
     head = model.get_output_embeddings()
-    head_as_linear(model, head)
+    _read(model, head, read_head)
     config = model.config.get_text_config()
     for name, value in config.to_dict().items():
         if value is not None and _LOGIT_LIKE_FIELD.search(name) and not _NOT_OUTPUT_FIELD.search(name):
@@ -343,20 +353,25 @@ class LossHead:
     """
 
     def __init__(
-        self, model: nn.Module, batch: Mapping[str, Any], *, chunk_size: int, ignore_index: int = -100
+        self,
+        model: nn.Module,
+        batch: Mapping[str, Any],
+        *,
+        chunk_size: int,
+        read_head: HeadReader = linear_head,
     ) -> None:
-        spec = lm_head_spec(model)
+        spec = lm_head_spec(model, read_head)
         if spec.logit_scale is not None or spec.final_logit_softcap is not None:
             raise ModelError(
                 f"{type(model).__name__}: the model scales or soft-caps its logits after the LM head, which "
                 "the loss computed inside the LM head cannot follow"
             )
         self.head = model.get_output_embeddings()
-        self.as_linear = head_as_linear(model, self.head)
+        self.as_linear = _read(model, self.head, read_head)
         self.shifted = "shift_labels" in batch
         prefix = "shift_" if self.shifted else ""
         self.labels, self.weights = batch[prefix + "labels"], batch[prefix + "loss_weights"]
-        self.chunk_size, self.ignore_index = chunk_size, ignore_index
+        self.chunk_size = chunk_size
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """What the head computes while installed: ``S`` as ``[1, 1, 1]`` from ``hidden [B, T, H]``."""
@@ -368,7 +383,6 @@ class LossHead:
             self.weights,
             lm_head_bias=bias,
             chunk_size=self.chunk_size,
-            ignore_index=self.ignore_index,
             shifted=self.shifted,
         )
         return total.reshape(1, 1, 1)
@@ -382,17 +396,18 @@ class LossHead:
 
 
 def weighted_loss_sum(
-    model: nn.Module, batch: Mapping[str, Any], *, chunk_size: int = 4096, ignore_index: int = -100
+    model: nn.Module, batch: Mapping[str, Any], *, chunk_size: int = 4096, read_head: HeadReader = linear_head
 ) -> torch.Tensor:
     """One micro-batch's ``S = sum_t w_t * CE_t`` (float32 scalar) through the model's own forward.
 
     ``model`` may be wrapped (DDP, FSDP, DeepSpeed: anything exposing ``.module``); the LM head is found on
-    the model inside. Every position of the batch reaches the head (``logits_to_keep=0``).
+    the model inside, and read with ``read_head``. Every position of the batch reaches the head
+    (``logits_to_keep=0``); labels mark non-targets with -100.
     """
     inner = model
     while hasattr(inner, "module"):
         inner = inner.module
     inputs = {key: batch[key] for key in MODEL_INPUT_KEYS if key in batch}
-    with LossHead(inner, batch, chunk_size=chunk_size, ignore_index=ignore_index):
+    with LossHead(inner, batch, chunk_size=chunk_size, read_head=read_head):
         outputs = model(**inputs, use_cache=False, logits_to_keep=0)
     return outputs.logits.reshape(())

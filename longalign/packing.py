@@ -55,7 +55,13 @@ _HISTOGRAM_BINS = 50
 
 
 def pack(
-    lengths: np.ndarray, max_len: int, strategy: str = "bfd", *, seed: int = 0, batch_size: int = 1
+    lengths: np.ndarray,
+    max_len: int,
+    strategy: str = "bfd",
+    *,
+    seed: int = 0,
+    batch_size: int = 1,
+    sort_by_length: bool = False,
 ) -> list[list[int]]:
     """Group sample indices into packs of at most ``max_len`` tokens, returned in a seeded random order.
 
@@ -70,6 +76,14 @@ def pack(
       batch have similar lengths. ``max_len`` bounds each sample, not the batch.
     - ``none`` no packing: every sample is a row of its own.
 
+    ``sort_by_length`` orders the samples by length (shortest first) before the strategy runs. For
+    ``greedy`` that is LongAlign's sort-and-group: next-fit over the sorted samples, so each pack holds
+    neighbouring lengths. ``bfd``, ``ffd`` and ``sorted`` sort by themselves, so it changes nothing there;
+    ``none`` refuses it (sorted batching is ``sorted``)::
+
+        lengths [4, 1, 3, 2], max_len 5, greedy                  packs [[0, 1], [2, 3]]
+        the same, sort_by_length: next-fit over samples 1 3 2 0  packs [[1, 3], [2], [0]] in some order
+
     Equal lengths are taken in a seeded random order, so ``seed`` fixes the whole result::
 
         lengths [6, 5, 4, 3, 2], max_len 10, bfd
@@ -81,12 +95,14 @@ def pack(
         raise ConfigError(f"strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
     if batch_size < 1 or (batch_size != 1 and strategy != "sorted"):
         raise ConfigError(f"batch_size {batch_size}: must be >= 1, and only strategy 'sorted' takes one > 1")
+    if sort_by_length and strategy == "none":
+        raise ConfigError("sort_by_length with strategy 'none': sorted batching is strategy 'sorted'")
     rng = np.random.default_rng(seed)
     if strategy == "none":
         order = pack_of = np.arange(len(lengths))
     elif strategy == "greedy":
-        order = np.arange(len(lengths))
-        pack_of = _next_fit(lengths, max_len)
+        order = _by_length(lengths, rng, descending=False) if sort_by_length else np.arange(len(lengths))
+        pack_of = _next_fit(lengths[order], max_len)
     elif strategy == "sorted":
         order = _by_length(lengths, rng, descending=False)
         pack_of = np.arange(len(lengths)) // batch_size
@@ -358,6 +374,7 @@ def write_packs(
     strategy: str = "bfd",
     seed: int = 0,
     batch_size: int = 1,
+    sort_by_length: bool = False,
     drop_long: bool = False,
     min_sample_len: int = 0,
     max_sample_len: int | None = None,
@@ -366,7 +383,7 @@ def write_packs(
 ) -> dict[str, Any]:
     """Pack the pre-tokenized dataset at ``tokenized_dir`` into ``output_dir``; return the report.
 
-    Packs from the ``length`` column, then gathers tokens ``_WRITE_BATCH_TOKENS`` at a time, so token
+    Packs from the ``length`` column (see :func:`pack` for ``strategy`` and ``sort_by_length``), then gathers tokens ``_WRITE_BATCH_TOKENS`` at a time, so token
     lists never become Python objects. Samples are left out and counted in the report's ``dropped``:
     ``under_min_length`` (fewer than ``min_sample_len`` tokens), ``over_max_length`` (more than
     ``max_sample_len``, a filter at most ``max_seq_len``) and ``too_long`` (more than ``max_seq_len`` with
@@ -405,11 +422,14 @@ def write_packs(
     if kept.size == 0:
         counts = ", ".join(f"{reason} {int(mask.sum())}" for reason, mask in left_out.items() if mask.any())
         raise InputError(f"{tokenized_dir}: none of the {len(lengths)} samples is left to pack ({counts})")
-    packs = pack(lengths[kept], max_seq_len, strategy, seed=seed, batch_size=batch_size)
+    packs = pack(
+        lengths[kept], max_seq_len, strategy, seed=seed, batch_size=batch_size, sort_by_length=sort_by_length
+    )
     report = {
         "input": str(tokenized_dir),
         "seed": seed,
         "batch_size": batch_size,
+        "sort_by_length": sort_by_length,
         "samples_in": len(lengths),
         "dropped": {
             reason: {
@@ -438,17 +458,10 @@ def _take_mix(
     chosen = mix_indices([len(rows) for rows in per_source], mix, seed)
     taken = [rows[indices] for rows, indices in zip(per_source, chosen, strict=True)]
     report = [
-        {"name": source.name, "available": len(rows), "taken": len(picked), "rule": _rule(source)}
+        {"name": source.name, "available": len(rows), "taken": len(picked), "rule": source.rule or "all"}
         for source, rows, picked in zip(mix, per_source, taken, strict=True)
     ]
     return np.sort(np.concatenate(taken)), report
-
-
-def _rule(source: Source) -> str:
-    for name in ("fraction", "num_samples", "weight"):
-        if getattr(source, name) is not None:
-            return f"{name} {getattr(source, name)}"
-    return "all"
 
 
 def _check_lengths_match(lengths: np.ndarray, input_ids: pa.ChunkedArray, lines: np.ndarray) -> None:

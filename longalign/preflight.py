@@ -15,6 +15,10 @@ prints one table, one line per distinct value::
     dataset: rank 1 differs from rank 0 (2 packs, ... vs 3 packs, ...). Fix: copy the same packed dataset ...
 
 Checks made with ``must_agree=False`` (host, device, free memory) are shown but never fail the preflight.
+The ``parallelism`` row says what the run's ``Accelerator`` set up (DDP, FSDP version and sharding,
+DeepSpeed ZeRO stage and offload, sequence-parallel groups, world size and nodes); when the launch asked
+for an engine it did not get (an FSDP accelerate config on CPU ranks runs DDP), one line under the table
+says so: a warning, since the run works, only not as asked.
 Under sequence parallelism two more rows: the split (every rank must agree on it), and the packs each
 group's first micro-batch holds, compared within each group only (the ranks of a group share every pack,
 groups get different ones).
@@ -26,7 +30,6 @@ runs it after building the trainer when ``[training] preflight`` is true, or uns
 from __future__ import annotations
 
 import fnmatch
-import hashlib
 import importlib.metadata
 import json
 import os
@@ -42,6 +45,7 @@ import torch.distributed as dist
 from longalign.attention import resolve_backend
 from longalign.batching import PackBatchSampler, pack_costs, packs_fingerprint
 from longalign.config import Config
+from longalign.fingerprints import digest, tokenizer_digests
 from longalign.redact import redact
 
 # Checked by default; ``*`` matches any suffix. Secret values are shown as a hash (longalign.redact).
@@ -72,6 +76,10 @@ FIX_GROUP = (
     "the ranks of a sequence-parallel group must collate the same packs: give them the same packed dataset, "
     "packing.seed and per_device_batch_size"
 )
+FIX_PARALLELISM = (
+    "launch every rank with the same accelerate config (accelerate launch --config_file ...) and the same "
+    "number of processes on every node"
+)
 FIX_ALL_REDUCE = (
     "check the collective backend's network settings (NCCL_SOCKET_IFNAME, NCCL_IB_*, firewalls, "
     "MASTER_ADDR/MASTER_PORT)"
@@ -89,6 +97,7 @@ class Check:
     fix: str = ""  # what to do when ranks disagree or the check fails
     detail: dict[str, str] | None = None  # parts of the value, to name the ones that differ
     group: int | None = None  # compared only with the ranks of the same group (sequence parallelism)
+    warning: str | None = None  # shown under the table; the run works, but not as the launch asked
 
 
 @dataclass(frozen=True)
@@ -97,14 +106,17 @@ class PreflightReport:
 
     table: str
     problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # shown, never failing
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
     def __str__(self) -> str:
-        problems = ["", *self.problems] if self.problems else []
-        return "\n".join([self.table, *problems, "preflight: " + ("ok" if self.ok else "FAILED")])
+        notes = [*self.warnings, *self.problems]
+        return "\n".join(
+            [self.table, *(["", *notes] if notes else []), "preflight: " + ("ok" if self.ok else "FAILED")]
+        )
 
 
 def preflight_enabled(setting: bool | None, world_size: int) -> bool:
@@ -187,7 +199,18 @@ def config_check(cfg: Config) -> Check:
         for key, value in table.items()
     }
     shown = {key: redact(key, value) for key, value in flat.items()}  # the detail may reach a message
-    return Check("config", _digest(json.dumps(flat, sort_keys=True)), fix=FIX_CONFIG, detail=shown)
+    return Check("config", digest(flat), fix=FIX_CONFIG, detail=shown)
+
+
+def layout_check(cfg: Config) -> Check:
+    """How the model's checkpoint is read, from its ``config.json`` alone: native, or mapped from ChatGLM."""
+    from longalign.checkpoints import layout_note
+
+    mc = cfg.model
+    note = layout_note(
+        mc.model_name_or_path, trust_remote_code=mc.trust_remote_code, save_format=mc.save_format
+    )
+    return Check("model layout", note or "native")
 
 
 def tokenizer_check(tokenizer: Any) -> Check:
@@ -195,10 +218,8 @@ def tokenizer_check(tokenizer: Any) -> Check:
 
     ``detail`` separates the two, so a failure says which one differs.
     """
-    vocab = sorted(tokenizer.get_vocab().items())
-    template = json.dumps(tokenizer.chat_template, sort_keys=True)
-    detail = {"vocabulary": _digest(json.dumps(vocab)), "chat template": _digest(template)}
-    value = f"{len(vocab)} tokens, {_digest(json.dumps(detail, sort_keys=True))}"
+    detail = tokenizer_digests(tokenizer)
+    value = f"{len(tokenizer.get_vocab())} tokens, {digest(detail)}"
     return Check("tokenizer", value, fix=FIX_TOKENIZER, detail=detail)
 
 
@@ -239,7 +260,7 @@ def sequence_parallel_checks(
         batch = next(iter(sampler))
         indices = [int(index) for index, _ in batch]
         cu_seqlens = [list(packs[index]["cu_seqlens"]) for index in indices]
-        value = f"group {group}: packs {indices}, cu_seqlens {_digest(json.dumps(cu_seqlens))}"
+        value = f"group {group}: packs {indices}, cu_seqlens {digest(cu_seqlens)}"
         return Check("first packs", value, fix=FIX_GROUP, group=group)
 
     return [split, attempt("first packs", first_packs, FIX_GROUP)]
@@ -280,6 +301,199 @@ def all_reduce_check(device: torch.device) -> Check:
     return attempt(name, reduce, FIX_ALL_REDUCE)
 
 
+@dataclass(frozen=True)
+class Parallelism:
+    """How the ranks run one training step: the engine accelerate set up and how the ranks split."""
+
+    engine: str  # "single process", "DDP", "FSDP", "DeepSpeed", or accelerate's name for another
+    device: str = "CPU"  # what each rank computes on: "CPU", "GPU", ...
+    world_size: int = 1
+    nodes: int = 1
+    fsdp_version: int | None = None
+    sharding: str | None = None  # FSDP: the sharding strategy (FSDP1) or resharding after forward (FSDP2)
+    zero_stage: int | None = None  # DeepSpeed ZeRO stage
+    offload: str | None = None  # where parameters and optimizer states live when not on the device
+    find_unused_parameters: bool | None = None  # DDP: a search for unused parameters every step
+    sequence_parallel_size: int = 1  # ranks each pack is split over (longalign's [training] setting)
+
+    @property
+    def name(self) -> str:
+        """``"DDP"``, ``"FSDP2"``, ``"DeepSpeed ZeRO-3"``: the engine with its version or stage."""
+        if self.engine == "FSDP" and self.fsdp_version:
+            return f"FSDP{self.fsdp_version}"
+        if self.engine == "DeepSpeed" and self.zero_stage is not None:
+            return f"DeepSpeed ZeRO-{self.zero_stage}"
+        return self.engine
+
+    def __str__(self) -> str:
+        """One line, the same on every rank of a sound launch::
+
+        DDP over 2 CPU ranks on 1 node, find_unused_parameters false
+        DeepSpeed ZeRO-3 over 16 GPU ranks on 2 nodes, offload params cpu, optimizer cpu; sequence parallel: 2 ranks per pack, 8 groups
+        """
+        ranks = f"{self.world_size} {self.device} rank{'s' if self.world_size != 1 else ''}"
+        nodes = f"{self.nodes} node{'s' if self.nodes != 1 else ''}"
+        parts = [f"{self.name} over {ranks} on {nodes}" if self.world_size > 1 else f"{self.name} ({ranks})"]
+        if self.sharding:
+            parts.append(self.sharding)
+        if self.offload:
+            parts.append(f"offload {self.offload}")
+        if self.find_unused_parameters is not None:
+            parts.append(f"find_unused_parameters {str(self.find_unused_parameters).lower()}")
+        text = ", ".join(parts)
+        if self.sequence_parallel_size > 1:
+            groups = self.world_size // self.sequence_parallel_size
+            text += (
+                f"; sequence parallel: {self.sequence_parallel_size} ranks per pack, "
+                f"{groups} group{'s' if groups != 1 else ''}"
+            )
+        return text
+
+
+@dataclass(frozen=True)
+class Request:
+    """An engine the launch asked for, and where it was asked: ``FSDP2`` from ``accelerate config``."""
+
+    engine: str  # "FSDP" or "DeepSpeed"
+    name: str  # shown: "FSDP2", "DeepSpeed ZeRO-3", "DeepSpeed"
+    source: str  # "accelerate config", "[training] deepspeed", ...
+    fsdp_version: int | None = None
+    zero_stage: int | None = None
+
+
+def requested_engines(
+    environ: Mapping[str, str], *, deepspeed: Any = None, fsdp: Any = None, zero_stage: int | None = None
+) -> list[Request]:
+    """The sharding engines a launch asked for: in ``[training]`` (``deepspeed``, ``fsdp``) or the launcher's exports.
+
+    ``accelerate launch`` with an FSDP config exports ``ACCELERATE_USE_FSDP=true`` and ``FSDP_VERSION``;
+    with a DeepSpeed one ``ACCELERATE_USE_DEEPSPEED=true`` (and ``ACCELERATE_DEEPSPEED_ZERO_STAGE`` when
+    the stage is in the accelerate config; one in a JSON file comes as ``zero_stage``)::
+
+        {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"} -> [Request("FSDP", "FSDP2", "accelerate config", 2)]
+    """
+    asked = []
+    if fsdp:
+        asked.append(Request("FSDP", "FSDP", "[training] fsdp"))
+    elif environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+        version = int(environ.get("FSDP_VERSION", "1"))
+        asked.append(Request("FSDP", f"FSDP{version}", "accelerate config", fsdp_version=version))
+    stage_text = environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
+    stage = int(stage_text) if stage_text else zero_stage
+    name = "DeepSpeed" if stage is None else f"DeepSpeed ZeRO-{stage}"
+    if deepspeed:
+        asked.append(Request("DeepSpeed", name, "[training] deepspeed", zero_stage=stage))
+    elif environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        asked.append(Request("DeepSpeed", name, "accelerate config", zero_stage=stage))
+    return asked
+
+
+def unmet_request(running: Parallelism, asked: Sequence[Request]) -> str | None:
+    """One line when the launch asked for an engine, version or stage it is not running; else ``None``.
+
+    >>> unmet_request(Parallelism("DDP", world_size=2), [Request("FSDP", "FSDP2", "accelerate config", 2)])
+    'asked for FSDP2 (accelerate config), running DDP over 2 CPU ranks: FSDP is not in effect'
+    """
+    for request in asked:
+        if request.engine != running.engine:
+            what = f"{request.engine} is not in effect"
+        elif request.fsdp_version not in (None, running.fsdp_version):
+            what = f"FSDP{request.fsdp_version} is not in effect"
+        elif request.zero_stage not in (None, running.zero_stage):
+            what = f"ZeRO-{request.zero_stage} is not in effect"
+        else:
+            continue
+        ranks = f"{running.world_size} {running.device} rank{'s' if running.world_size != 1 else ''}"
+        return f"asked for {request.name} ({request.source}), running {running.name} over {ranks}: {what}"
+    return None
+
+
+def parallelism_check(running: Parallelism, asked: Sequence[Request] = ()) -> Check:
+    """The ``parallelism`` row: what runs (compared across ranks), warning when it is not what was asked."""
+    return Check("parallelism", str(running), fix=FIX_PARALLELISM, warning=unmet_request(running, asked))
+
+
+def parallelism_in_effect(
+    accelerator: Any, *, sequence_parallel_size: int = 1, environ: Mapping[str, str] | None = None
+) -> Parallelism:
+    """Read what an ``accelerate.Accelerator`` runs: its distributed type and the plugin of its engine.
+
+    The number of nodes is the world size over the launcher's ``LOCAL_WORLD_SIZE`` (ranks on this node).
+    """
+    environ = os.environ if environ is None else environ
+    state = accelerator.state
+    kind = state.distributed_type.value  # "NO", "MULTI_CPU", "MULTI_GPU", "FSDP", "DEEPSPEED", ...
+    world_size = state.num_processes
+    device = {"cuda": "GPU"}.get(state.device.type, state.device.type.upper())
+    local = int(environ.get("LOCAL_WORLD_SIZE", world_size) or world_size)
+    common = {
+        "device": device,
+        "world_size": world_size,
+        "nodes": max(1, world_size // max(1, local)),
+        "sequence_parallel_size": sequence_parallel_size,
+    }
+    if kind == "FSDP":
+        plugin = state.fsdp_plugin
+        version = plugin.fsdp_version
+        if version == 2:
+            sharding = f"reshard_after_forward {str(bool(plugin.reshard_after_forward)).lower()}"
+        else:
+            sharding = getattr(plugin.sharding_strategy, "name", str(plugin.sharding_strategy))
+        offload = "params cpu" if _fsdp_offloads(plugin.cpu_offload) else None
+        return Parallelism("FSDP", fsdp_version=version, sharding=sharding, offload=offload, **common)
+    if kind == "DEEPSPEED":
+        plugin = state.deepspeed_plugin
+        zero = plugin.deepspeed_config.get("zero_optimization", {})
+        places = {
+            what: zero.get(f"offload_{key}", {}).get("device", "none")
+            for what, key in (("params", "param"), ("optimizer", "optimizer"))
+        }
+        offload = ", ".join(
+            f"{what} {place}" for what, place in places.items() if place not in ("none", None)
+        )
+        return Parallelism("DeepSpeed", zero_stage=plugin.zero_stage, offload=offload or None, **common)
+    if kind == "NO":
+        return Parallelism("single process", **common)
+    if kind.startswith("MULTI_"):
+        handler = getattr(accelerator, "ddp_handler", None)
+        find_unused = handler.find_unused_parameters if handler is not None else None
+        return Parallelism("DDP", find_unused_parameters=find_unused, **common)
+    return Parallelism(kind, **common)
+
+
+def _fsdp_offloads(policy: Any) -> bool:
+    """Whether an FSDP plugin's ``cpu_offload`` puts parameters in CPU memory (FSDP2 policy or FSDP1 flag)."""
+    from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy
+
+    return (
+        policy is True
+        or isinstance(policy, CPUOffloadPolicy)
+        or (isinstance(policy, CPUOffload) and policy.offload_params)
+    )
+
+
+def parallelism_row(
+    accelerator: Any, args: Any, *, sequence_parallel_size: int = 1, environ: Mapping[str, str] | None = None
+) -> Check:
+    """The ``parallelism`` row of a run: what ``accelerator`` runs against what the launch and ``args`` asked.
+
+    ``args`` are the run's ``TrainingArguments``; their DeepSpeed plugin, built whether or not DeepSpeed
+    ends up in effect, knows the ZeRO stage that was asked for.
+    """
+    environ = os.environ if environ is None else environ
+    running = parallelism_in_effect(
+        accelerator, sequence_parallel_size=sequence_parallel_size, environ=environ
+    )
+    plugin = getattr(args, "deepspeed_plugin", None)
+    asked = requested_engines(
+        environ,
+        deepspeed=args.deepspeed,
+        fsdp=args.fsdp,
+        zero_stage=plugin.zero_stage if plugin is not None else None,
+    )
+    return parallelism_check(running, asked)
+
+
 def device_checks(device: torch.device) -> list[Check]:
     """Host, device and its free memory: shown for every rank, allowed to differ."""
     if device.type == "cuda":
@@ -304,16 +518,22 @@ def rank_checks(
     batch_size: int = 1,
     env_names: Sequence[str] = DEFAULT_ENV,
     environ: Mapping[str, str] | None = None,
+    parallelism: Callable[[], Check] | None = None,
 ) -> list[Check]:
     """Everything this rank reports. Loaders are called here, so a rank that cannot load still reports.
 
-    ``batch_size`` is the packs per micro-batch, which decides how packs are dealt to groups.
+    ``batch_size`` is the packs per micro-batch, which decides how packs are dealt to groups;
+    ``parallelism`` makes the row of what runs (see :func:`parallelism_row`).
     """
     environ = os.environ if environ is None else environ
     checks = version_checks()
     checks.append(backend_check(device, dtype, cfg.model.attn_backend))
     checks.append(adapter_check(cfg, device))
+    if parallelism is not None:
+        checks.append(attempt("parallelism", parallelism, FIX_PARALLELISM))
     checks.append(config_check(cfg))
+    if cfg.model.model_name_or_path:
+        checks.append(attempt("model layout", lambda: layout_check(cfg)))
     checks.append(attempt("tokenizer", lambda: tokenizer_check(load_tokenizer()), FIX_TOKENIZER))
     fix = FIX_DATASET.format(key="train_file")
     checks.append(attempt("dataset", lambda: packs_check("dataset", load_packs(), "train_file"), fix))
@@ -358,7 +578,7 @@ def compare(reports: list[list[Check]]) -> PreflightReport:
     names = list(dict.fromkeys(check.name for report in reports for check in report))
     by_rank = [{check.name: check for check in report} for report in reports]
     missing = Check("", "(not reported)")
-    rows, problems = [], []
+    rows, problems, warnings = [], [], []
     for name in names:
         checks = [ranks.get(name, missing) for ranks in by_rank]
         groups: dict[str, list[int]] = {}
@@ -381,6 +601,15 @@ def compare(reports: list[list[Check]]) -> PreflightReport:
             problems += [_disagreement(name, scope, checks, fix) for scope in split]
         else:
             status = "ok" if must_agree else "info"
+        warned: dict[str, list[int]] = {}
+        for rank, check in enumerate(checks):
+            if check.warning:
+                warned.setdefault(check.warning, []).append(rank)
+        for warning, ranks in warned.items():
+            where = f" ({_ranks(ranks, word=True)})" if len(ranks) < len(reports) else ""
+            warnings.append(f"{name}: {warning}{where}")
+        if warned and status == "ok":
+            status = "warning"
         for i, (value, ranks) in enumerate(groups.items()):
             shown_ranks = "all" if len(groups) == 1 and len(reports) > 1 else _ranks(ranks)
             rows.append((name if i == 0 else "", status if i == 0 else "", shown_ranks, value))
@@ -388,7 +617,7 @@ def compare(reports: list[list[Check]]) -> PreflightReport:
     header = f"preflight: {len(reports)} rank{'s' if len(reports) > 1 else ''}"
     lines = [header, _row(("check", "status", "ranks", "value"), widths)]
     lines += [_row(row, widths) for row in rows]
-    return PreflightReport("\n".join(lines), problems)
+    return PreflightReport("\n".join(lines), problems, warnings)
 
 
 def run_preflight(cfg: Config, **kwargs: Any) -> PreflightReport:
@@ -402,7 +631,7 @@ def compute_dtype(model_dtype: torch.dtype, *, bf16: bool, fp16: bool) -> torch.
 
 
 def check_trainer(trainer: Any, cfg: Config, env_names: Sequence[str] = DEFAULT_ENV) -> PreflightReport:
-    """The preflight of a built ``LongAlignTrainer``: its tokenizer, packs, device and precision."""
+    """The preflight of a built ``LongAlignTrainer``: its tokenizer, packs, device, precision and engine."""
     args = trainer.args
     return run_preflight(
         cfg,
@@ -413,6 +642,9 @@ def check_trainer(trainer: Any, cfg: Config, env_names: Sequence[str] = DEFAULT_
         dtype=compute_dtype(trainer.model.dtype, bf16=args.bf16, fp16=args.fp16),
         batch_size=args.per_device_train_batch_size,
         env_names=env_names,
+        parallelism=lambda: parallelism_row(
+            trainer.accelerator, args, sequence_parallel_size=cfg.training.sequence_parallel_size
+        ),
     )
 
 
@@ -455,10 +687,6 @@ def _row(cells: tuple[str, str, str, str], widths: list[int]) -> str:
     return (
         "  ".join(cell.ljust(width) for cell, width in zip(cells[:3], widths, strict=True)) + "  " + cells[3]
     )
-
-
-def _digest(text: str, length: int = 12) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:length]
 
 
 def _available_host_memory() -> int:

@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 from transformers import TrainingArguments
 
-from longalign.artifacts import staging_dir
+from longalign.artifacts import staging_dir, write_json
+from longalign.checkpoints import layout_note
 from longalign.config import Config
 from longalign.errors import ConfigError
 from longalign.probe_step import ERROR, FITS, OUT_OF_MEMORY
@@ -408,6 +409,12 @@ def ladder(request: ProbeRequest, cfg: Config, say: Callable[[str], None]) -> in
     ranks.say(
         f"probe of {request.config}: {ranks.world} rank(s), {per_rank} pack(s) of each length per {holder} and step"
     )
+    mc = cfg.model
+    note = mc.model_name_or_path and layout_note(
+        mc.model_name_or_path, trust_remote_code=mc.trust_remote_code, save_format=mc.save_format
+    )
+    if note:
+        ranks.say(f"model: {note}")
     compare = request.compare_full
     ranks.say(format_row(None, compare_full=compare))
     full_fits = compare  # full fine-tuning is run until its first failure
@@ -475,7 +482,7 @@ def _report(
         "results": entries,
     }
     request.output.parent.mkdir(parents=True, exist_ok=True)
-    request.output.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    write_json(request.output, summary)
     say(f"wrote {request.output}")
 
 

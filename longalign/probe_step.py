@@ -27,6 +27,7 @@ from typing import Any, NoReturn
 import torch
 from transformers import Trainer, TrainerCallback
 
+from longalign.artifacts import write_json
 from longalign.config import load_config
 from longalign.run import build_trainer
 
@@ -156,7 +157,7 @@ def run_step(
             "error": f"{type(err).__name__}: {first_line[:300]}",
             "traceback": traceback.format_exc(),
         }
-    result_path.write_text(json.dumps(result))
+    write_json(result_path, result)
     sys.stdout.flush()
     sys.stderr.flush()
     # Leave without interpreter teardown: after a failure, peers may hold collectives open forever.

@@ -121,6 +121,12 @@ def dry_run_summary(result: dict) -> str:
                     f"  mix: {source['name']}: {source['taken']:,} of {source['available']:,} ({source['rule']})"
                 )
             lines += ["  " + line for line in pack_summary(entry["pack"], entry["path"]).splitlines()[:-1]]
+    if result["needs_gpu"]:
+        lines += [
+            "",
+            "needs a GPU, not checked here (none on this machine): " + "; ".join(result["needs_gpu"]),
+        ]
+    lines += [""] * bool(result["not_checked"]) + [f"not checked: {line}" for line in result["not_checked"]]
     lines += ["", "dry run: no model weights loaded, nothing trained"]
     return "\n".join(lines)
 

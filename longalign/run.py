@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import hashlib
 import importlib.util
 import json
 import os
@@ -30,22 +29,28 @@ from typing import Any
 import pyarrow.compute as pc
 import torch
 import transformers
-from accelerate import PartialState
+from accelerate import Accelerator, PartialState
+from accelerate.utils import DistributedDataParallelKwargs, FullyShardedDataParallelPlugin
 from transformers import AutoConfig, AutoModelForCausalLM, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 import longalign.patch
+from longalign import checkpoints
 from longalign.artifacts import REPORT_NAME, load_stage, read_report
 from longalign.batching import EXACT_WEIGHTINGS, packs_fingerprint
 from longalign.chat_template import open_tokenizer
 from longalign.config import RESERVED_TRAINING_ARGS, Config, LoraConfig
-from longalign.errors import ConfigError, LongAlignError
+from longalign.errors import ConfigError, InputError, LongAlignError
+from longalign.fingerprints import digest, tokenizer_digests
+from longalign.labels import IGNORE_INDEX
+from longalign.loss import linear_head
 from longalign.packing import write_packs
 from longalign.preflight import (
     DEFAULT_ENV,
     PreflightReport,
     check_trainer,
     compute_dtype,
+    parallelism_row,
     preflight_enabled,
     run_preflight,
 )
@@ -58,9 +63,9 @@ from longalign.trainer import CHECKPOINT_RECORD, LongAlignTrainer
 def training_arguments(cfg: Config) -> TrainingArguments:
     """The run's ``TrainingArguments``, built here and nowhere else; a value they refuse names its key."""
     settings = {**cfg.training.args, "remove_unused_columns": False}
-    if cfg.lora is not None:
-        # Every adapter gets a gradient every step; DDP's search for unused ones would only cost time.
-        settings.setdefault("ddp_find_unused_parameters", False)
+    # Every trained weight of a causal LM (or every adapter) gets a gradient every step: DDP's search for
+    # unused parameters, transformers' default without activation checkpointing, would only cost time.
+    settings.setdefault("ddp_find_unused_parameters", False)
     try:
         return TrainingArguments(output_dir=cfg.training.output_dir, **settings)
     except (ValueError, TypeError) as err:
@@ -82,7 +87,7 @@ def model_config(cfg: Config):
     if mc.init_from_config is not None:
         settings = dict(mc.init_from_config)
         return AutoConfig.for_model(settings.pop("model_type"), **settings)
-    return AutoConfig.from_pretrained(mc.model_name_or_path, trust_remote_code=mc.trust_remote_code)
+    return checkpoints.model_config(mc.model_name_or_path, trust_remote_code=mc.trust_remote_code)
 
 
 def model_dtype(cfg: Config) -> torch.dtype:
@@ -121,7 +126,7 @@ def load_model(cfg: Config, device: torch.device | None = None) -> torch.nn.Modu
             from longalign.lora import quantization
 
             extra = quantization(cfg.lora, dtype=dtype, device=device or torch.device("cpu"))
-        model = AutoModelForCausalLM.from_pretrained(
+        model = checkpoints.load_model(
             mc.model_name_or_path, dtype=dtype, trust_remote_code=mc.trust_remote_code, **extra
         )
     return longalign.patch.apply(
@@ -131,8 +136,11 @@ def load_model(cfg: Config, device: torch.device | None = None) -> torch.nn.Modu
 
 def check_sequence_parallel(
     cfg: Config, world_size: int, *, parallelism: Any = None, environ: Mapping[str, str] = os.environ
-) -> None:
-    """Refuse a ``training.sequence_parallel_size`` this run cannot use, in one line naming every reason.
+) -> list[list[int]]:
+    """The ranks that share each pack, or a refusal of ``training.sequence_parallel_size`` in one line
+    naming every reason it cannot run.
+
+        sequence_parallel_size 2 on 4 ranks  ->  [[0, 1], [2, 3]]      (1: every rank alone)
 
     Checked before any work, from the run file, the launch and the model's config: the world size splits
     into groups of N ranks, the model's heads split over N ranks (``longalign.patch.
@@ -142,8 +150,9 @@ def check_sequence_parallel(
     is installed.
     """
     size = cfg.training.sequence_parallel_size
+    groups = [list(range(start, min(start + size, world_size))) for start in range(0, world_size, size)]
     if size == 1:
-        return
+        return groups
     found = []
     if world_size % size:
         found.append(
@@ -172,12 +181,13 @@ def check_sequence_parallel(
         found.append("it runs on DeepSpeed, which is not installed: pip install 'longalign[sp]'")
     if found:
         raise ConfigError(f"training.sequence_parallel_size = {size} cannot run: {'; '.join(found)}")
+    return groups
 
 
 def resolve_packs(which: str, cfg: Config, args: TrainingArguments, tokenizer=None):
     """The packs of the training (``which="train"``) or eval data, prepared on first use (see :func:`prepare`).
 
-    Either way the rows must fit ``data.max_seq_len`` and use ``loss.ignore_index`` for non-targets.
+    Either way the rows must fit ``data.max_seq_len`` and mark non-targets with -100.
     """
     path = prepare(which, cfg, args, tokenizer)
     return check_packs(load_stage(path), str(path), cfg)
@@ -198,7 +208,7 @@ def prepare(which: str, cfg: Config, args: TrainingArguments, tokenizer=None) ->
     if not sources or not sources[0].path:
         raise ConfigError("data.train_file: set it (or [[data.sources]]) to the training data")
     stages = [_stage_kind(source) for source in sources]
-    mixing = len(sources) > 1 or any(_rule(source) for source in sources)
+    mixing = len(sources) > 1 or any(source.rule is not None for source in sources)
     if stages[0] == "packed" and not mixing:
         for key in ("min_seq_len", "max_seq_len_filter"):
             if cfg.source(f"data.{key}") != "default":
@@ -221,7 +231,7 @@ def prepare(which: str, cfg: Config, args: TrainingArguments, tokenizer=None) ->
                 "truncation": cfg.data.raw_truncation,
                 "num_proc": cfg.data.num_proc,
             }
-            key = _digest([[fingerprint(s) for s in sources], _tokenizer_digest(tokenizer), settings])
+            key = digest([[fingerprint(s) for s in sources], tokenizer_digests(tokenizer), settings])
             tokenized = cache_root / f"tokenized-{key}"
             if not tokenized.exists():
                 # Nodes on shared storage may prepare at once: the first complete copy wins.
@@ -231,6 +241,8 @@ def prepare(which: str, cfg: Config, args: TrainingArguments, tokenizer=None) ->
             "max_seq_len": cfg.data.max_seq_len,
             "strategy": packing.strategy,
             "batch_size": packing.batch_size if packing.strategy == "sorted" else 1,
+            # Only greedy packs differently when sorted first; the others sort anyway.
+            "sort_by_length": packing.sort_by_length and packing.strategy == "greedy",
             "seed": packing.seed,
             "drop_long": packing.drop_long,
             "min_sample_len": cfg.data.min_seq_len,
@@ -238,7 +250,7 @@ def prepare(which: str, cfg: Config, args: TrainingArguments, tokenizer=None) ->
         }
         mix = sources if mixing else None
         state = [(tokenized / name).read_text() for name in ("state.json", "report.json")]
-        key = _digest([state, settings, [dataclasses.asdict(s) for s in mix or []]])
+        key = digest([state, settings, [dataclasses.asdict(s) for s in mix or []]])
         packed = cache_root / f"packed-{key}"
         if not packed.exists():
             write_packs(tokenized, packed, **settings, mix=mix, replace=False)
@@ -255,21 +267,8 @@ def _stage_kind(source: Source) -> str | None:
     return "tokenized" if {"input_ids", "length"} <= set(columns) else None
 
 
-def _rule(source: Source) -> bool:
-    return any(getattr(source, name) is not None for name in ("weight", "num_samples", "fraction"))
-
-
-def _digest(value: Any) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:12]
-
-
-def _tokenizer_digest(tokenizer) -> str:
-    """The vocabulary (added tokens included) and the chat template: what decides the tokenization."""
-    return _digest([sorted(tokenizer.get_vocab().items()), tokenizer.chat_template])
-
-
 def check_packs(packs, path: str, cfg: Config):
-    """``packs`` if they fit ``data.max_seq_len`` and their labels mark non-targets with ``ignore_index``.
+    """``packs`` if they fit ``data.max_seq_len`` and their labels mark non-targets with -100.
 
     Every sample must fit, and every row too, except the batches of the ``sorted`` strategy, which hold
     ``batch_size`` samples of up to ``max_seq_len`` tokens each.
@@ -291,10 +290,10 @@ def check_packs(packs, path: str, cfg: Config):
         )
     labels = pc.list_flatten(packs.data.column("labels"))
     negative = pc.unique(pc.filter(labels, pc.less(labels, 0))).to_pylist()
-    if any(value != cfg.loss.ignore_index for value in negative):
-        raise ConfigError(
-            f"loss.ignore_index: {cfg.loss.ignore_index}, but {path} marks non-targets with "
-            f"{', '.join(map(str, sorted(negative)))} (pre-tokenize writes -100)"
+    if any(value != IGNORE_INDEX for value in negative):
+        raise InputError(
+            f"{path}: labels mark non-targets with {', '.join(map(str, sorted(negative)))}, not "
+            f"{IGNORE_INDEX} as pre-tokenize writes them"
         )
     return packs
 
@@ -397,8 +396,11 @@ def build_trainer(cfg: Config) -> LongAlignTrainer:
     check_vocabulary(model, train_packs, "the training data")
     if eval_packs is not None:
         check_vocabulary(model, eval_packs, "the eval data")
+    read_head = linear_head
     if cfg.lora is not None:
-        model = adapt(model, cfg, args)
+        from longalign.lora import adapted_head
+
+        model, read_head = adapt(model, cfg, args), adapted_head
     return LongAlignTrainer(
         model=model,
         args=args,
@@ -409,11 +411,26 @@ def build_trainer(cfg: Config) -> LongAlignTrainer:
         longwriter_divisor=cfg.loss.longwriter_divisor,
         max_seq_len=cfg.data.max_seq_len,
         loss_chunk_size=cfg.loss.chunk_size,
-        ignore_index=cfg.loss.ignore_index,
+        read_head=read_head,
         pack_seed=cfg.packing.seed,
         pad_packs_to=cfg.data.max_seq_len if cfg.packing.pad_to_max else None,
         sequence_parallel_size=cfg.training.sequence_parallel_size,
         run_record=json.loads(json.dumps(run_record(cfg, args, train_packs), default=str)),
+        save_layout=final_saver(cfg),
+    )
+
+
+def final_saver(cfg: Config):
+    """How the run writes its final model or adapter in the layout it loaded (``None``: as transformers does)."""
+    mc = cfg.model
+    if not mc.model_name_or_path:
+        return None
+    if cfg.lora is not None:
+        from longalign.lora import adapter_saver
+
+        return adapter_saver(mc.model_name_or_path, mc.save_format, trust_remote_code=mc.trust_remote_code)
+    return checkpoints.layout_saver(
+        mc.model_name_or_path, mc.save_format, trust_remote_code=mc.trust_remote_code
     )
 
 
@@ -439,6 +456,12 @@ def _lifecycle(trainer: LongAlignTrainer, cfg: Config) -> int:
         if not report.ok:
             return 1
     if trainer.is_world_process_zero():
+        mc = cfg.model
+        note = mc.model_name_or_path and checkpoints.layout_note(
+            mc.model_name_or_path, trust_remote_code=mc.trust_remote_code, save_format=mc.save_format
+        )
+        if note:
+            print(f"model: {note}", flush=True)
         print(parameter_summary(trainer.model), flush=True)
     resume = resume_point(trainer, cfg)
     try:
@@ -529,29 +552,153 @@ def _step_of(path: Path) -> int:
 
 
 def dry_run(cfg: Config) -> dict[str, Any]:
-    """Everything but the training: every resolved setting with its source, and the data prepared.
+    """Everything but the training, as far as this machine can check it, with no download.
 
-    Returns ``{"settings": [(key, value, source), ...], "data": {"train": {...}, "eval": {...}}}`` where
-    each data entry has the packed directory and the pre-tokenize and pack reports (those that exist).
-    No model weights are loaded: the vocabulary check reads the model's config alone.
+    Returns ``{"settings": [(key, value, source), ...], "data": {"train": {...}, "eval": {...}},
+    "needs_gpu": [...], "not_checked": [...]}``: each data entry has the packed directory and the
+    pre-tokenize and pack reports (those that exist). No model weights are loaded; the vocabulary check
+    reads the model's config alone. What cannot be checked here is listed, one line each, instead of
+    failing: settings that need a GPU on a machine without one (``needs_gpu``), and a tokenizer or model
+    config that is neither a local directory nor in the Hugging Face cache, or data files that are not
+    on this machine (``not_checked``). A machine where people plan GPU jobs has neither GPU nor data.
     """
-    args = training_arguments(cfg)
+    args, needs_gpu = dry_run_arguments(cfg)
+    not_checked: list[str] = []
     try:
-        tokenizer = load_tokenizer(cfg)
+        tokenizer = _local_tokenizer(cfg, not_checked)
+        vocab_size = _local_vocab_size(cfg, not_checked)
         data = {}
         for which in ("train", "eval") if cfg.data.eval_file else ("train",):
+            sources = cfg.data.train_sources() if which == "train" else [Source(cfg.data.eval_file)]
+            missing = [source.path for source in sources if _missing(source.path)]
+            if missing:
+                not_checked.append(
+                    f"{which} data: {', '.join(missing)} not found here; not prepared or checked"
+                )
+                continue
+            if tokenizer is None and any(_stage_kind(source) is None for source in sources):
+                not_checked.append(
+                    f"{which} data: raw chats, and pre-tokenizing needs the tokenizer; not prepared"
+                )
+                continue
             path = prepare(which, cfg, args, tokenizer)
             packs = check_packs(load_stage(path), str(path), cfg)
-            check_vocabulary(model_config(cfg).get_text_config().vocab_size, packs, f"the {which} data")
+            if vocab_size is not None:
+                check_vocabulary(vocab_size, packs, f"the {which} data")
             reports = {"pack": read_report(path) if (path / REPORT_NAME).exists() else None}
             tokenized = Path(reports["pack"]["input"]) if reports["pack"] else None
             reports["pre_tokenize"] = (
                 read_report(tokenized) if tokenized and (tokenized / REPORT_NAME).exists() else None
             )
             data[which] = {"path": str(path), **reports}
-        return {"settings": resolved_settings(cfg), "data": data}
+        return {
+            "settings": resolved_settings(cfg),
+            "data": data,
+            "needs_gpu": needs_gpu,
+            "not_checked": not_checked,
+        }
     finally:
         close()
+
+
+# TrainingArguments switches that need a CUDA device: always, or unless the run trains on the CPU (bf16).
+_GPU_TRAINING_ARGS = {
+    "bf16": False,
+    "bf16_full_eval": False,
+    "fp16": True,
+    "fp16_full_eval": True,
+    "tf32": True,
+}
+
+
+def gpu_settings(cfg: Config) -> list[str]:
+    """The settings of ``cfg`` that need a CUDA GPU, as ``key = value`` (precision, tf32, kernels, QLoRA)."""
+    args = cfg.training.args
+    found = [
+        f"training.{name} = true"
+        for name, always in _GPU_TRAINING_ARGS.items()
+        if args.get(name) is True and (always or not args.get("use_cpu"))
+    ]
+    if cfg.model.attn_backend in ("flash_attn", "flash_attn_cute", "torch_varlen"):
+        found.append(f'model.attn_backend = "{cfg.model.attn_backend}"')
+    if cfg.lora is not None:
+        found += [
+            f"lora.{name} = true" for name in ("load_in_4bit", "load_in_8bit") if getattr(cfg.lora, name)
+        ]
+    return found
+
+
+def dry_run_arguments(cfg: Config) -> tuple[TrainingArguments, list[str]]:
+    """The run's ``TrainingArguments`` as this machine can build them, and the settings it cannot check.
+
+    Without a CUDA device the switches that need one are turned off to check everything else (transformers
+    refuses bf16 and tf32 without a GPU), and every GPU-only setting is returned to be listed; with one,
+    nothing is left out.
+    """
+    if torch.cuda.is_available():
+        return training_arguments(cfg), []
+    needs_gpu = gpu_settings(cfg)
+    off = {name: False for name in _GPU_TRAINING_ARGS if f"training.{name} = true" in needs_gpu}
+    view = dataclasses.replace(cfg.training, args={**cfg.training.args, **off})
+    return training_arguments(dataclasses.replace(cfg, training=view)), needs_gpu
+
+
+def local_copy(name: str, filename: str) -> Path | None:
+    """Where ``name`` (a directory or a Hub id) is on this machine, without touching the network.
+
+    That is the path itself, or the snapshot in the Hugging Face cache that holds ``filename``; ``None``
+    when neither.
+    """
+    from huggingface_hub import try_to_load_from_cache
+
+    path = Path(name).expanduser()
+    if path.exists():
+        return path
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        return None
+    try:
+        found = try_to_load_from_cache(name, filename)
+    except ValueError:  # not a valid repository id
+        return None
+    return Path(found).parent if isinstance(found, str) else None
+
+
+def _local_tokenizer(cfg: Config, not_checked: list[str]):
+    """The run's tokenizer from a local directory or the cache; ``None`` (and a line in ``not_checked``) if absent."""
+    name = cfg.model.tokenizer or cfg.model.model_name_or_path
+    if not name:
+        return load_tokenizer(cfg)  # says what to set
+    where = local_copy(name, "tokenizer_config.json")
+    if where is None:
+        not_checked.append(f"tokenizer {name}: not a local directory nor in the Hugging Face cache")
+        return None
+    return load_tokenizer(
+        dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, tokenizer=str(where)))
+    )
+
+
+def _local_vocab_size(cfg: Config, not_checked: list[str]) -> int | None:
+    """The model's vocabulary size from its config, read locally; ``None`` (and a line in ``not_checked``) if absent."""
+    name = cfg.model.model_name_or_path
+    if cfg.model.init_from_config is None:
+        where = local_copy(name, "config.json")
+        if where is None:
+            not_checked.append(
+                f"model {name}: its config.json is not a local file nor in the Hugging Face cache, so the data's "
+                "token ids were not checked against its vocabulary"
+            )
+            return None
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, model_name_or_path=str(where)))
+    return model_config(cfg).get_text_config().vocab_size
+
+
+def _missing(path: str) -> bool:
+    """Whether a data source names a local path that is not on this machine."""
+    try:
+        kind(path)
+    except InputError:
+        return not Path(path).exists()
+    return False
 
 
 def resolved_settings(cfg: Config) -> list[tuple[str, Any, str]]:
@@ -571,6 +718,7 @@ def preflight(cfg: Config, env_names: Sequence[str] = DEFAULT_ENV) -> PreflightR
     args = training_arguments(cfg)
     check_sequence_parallel(cfg, args.world_size, parallelism=args.parallelism_config)
     try:
+        accelerator = trainer_accelerator(args)
         return run_preflight(
             cfg,
             load_tokenizer=lambda: load_tokenizer(cfg),
@@ -580,9 +728,27 @@ def preflight(cfg: Config, env_names: Sequence[str] = DEFAULT_ENV) -> PreflightR
             dtype=compute_dtype(model_dtype(cfg), bf16=args.bf16, fp16=args.fp16),
             batch_size=args.per_device_train_batch_size,
             env_names=env_names,
+            parallelism=lambda: parallelism_row(
+                accelerator, args, sequence_parallel_size=cfg.training.sequence_parallel_size
+            ),
         )
     finally:
         close()
+
+
+def trainer_accelerator(args: TrainingArguments) -> Accelerator:
+    """The ``Accelerator`` the trainer would create from ``args``: the same engine, plugins and DDP settings.
+
+    For the preflight without a model; ``transformers.Trainer`` builds its own from the same arguments.
+    """
+    fsdp = FullyShardedDataParallelPlugin(**args.fsdp_plugin_args) if args.fsdp_plugin_args else None
+    ddp = DistributedDataParallelKwargs(find_unused_parameters=bool(args.ddp_find_unused_parameters))
+    return Accelerator(
+        mixed_precision=args.mixed_precision,
+        deepspeed_plugin=args.deepspeed_plugin,
+        fsdp_plugin=fsdp,
+        kwargs_handlers=[ddp],
+    )
 
 
 def release(trainer: LongAlignTrainer) -> None:

@@ -3,7 +3,8 @@
 A source is anything a run file's ``[data] train_file`` or ``[[data.sources]] path`` may name::
 
     chats.jsonl / chats.json / chats.parquet    a raw chat file (JSON Lines, a JSON array, Parquet)
-    chats/                                      a directory of such files (sorted by name)
+    chats/                                      a directory of such files (sorted by name; in a stage's
+                                                output, such as `longalign data`'s, not its report.json)
     saved/                                      a `datasets` directory (save_to_disk), split "train" by default
     org/name                                    a Hub dataset, read with datasets.load_dataset (cache first)
 
@@ -30,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from longalign.artifacts import MARKER_NAME, REPORT_NAME
 from longalign.errors import InputError
 
 RAW_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -59,6 +61,14 @@ class Source:
             raise InputError(f"{self.path}: num_samples must be >= 0, got {self.num_samples}")
         if self.fraction is not None and not 0 <= self.fraction <= 1:
             raise InputError(f"{self.path}: fraction must be between 0 and 1, got {self.fraction}")
+
+    @property
+    def rule(self) -> str | None:
+        """How much the mix takes, as reports write it (``"fraction 0.5"``); ``None``: all of it."""
+        for name in ("fraction", "num_samples", "weight"):
+            if getattr(self, name) is not None:
+                return f"{name} {getattr(self, name)}"
+        return None
 
     @property
     def name(self) -> str:
@@ -93,6 +103,8 @@ def files_of(source: Source) -> list[Path]:
     if found != "directory":
         return []
     files = sorted(p for p in local.rglob("*") if p.is_file() and p.suffix in RAW_SUFFIXES)
+    if (local / MARKER_NAME).exists():  # a stage's output (longalign data): its report.json is no chat data
+        files = [p for p in files if p != local / REPORT_NAME]
     if not files:
         raise InputError(f"{source.path}: a directory without {', '.join(RAW_SUFFIXES)} files")
     return files

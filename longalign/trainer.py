@@ -28,29 +28,23 @@ only then are old checkpoints rotated out.
 
 from __future__ import annotations
 
-import json
-import os
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 from transformers import Trainer
+from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
+from longalign.artifacts import write_json
 from longalign.batching import PackCollator, PackDataLoader, pack_loader
 from longalign.errors import ConfigError
-from longalign.loss import weighted_loss_sum
+from longalign.loss import HeadReader, linear_head, weighted_loss_sum
 
 CHECKPOINT_RECORD = "longalign_checkpoint.json"
-
-
-def write_json_atomically(path: Path, value: Any) -> None:
-    """Write ``value`` as JSON to ``path``: readers see the old file or the whole new one, never a part."""
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")
-    os.replace(partial, path)
 
 
 class LongAlignTrainer(Trainer):
@@ -74,11 +68,12 @@ class LongAlignTrainer(Trainer):
         longwriter_divisor: float = 30.0,
         max_seq_len: int | None = None,
         loss_chunk_size: int = 4096,
-        ignore_index: int = -100,
+        read_head: HeadReader = linear_head,
         pack_seed: int = 0,
         pad_packs_to: int | None = None,
         sequence_parallel_size: int = 1,
         run_record: dict[str, Any] | None = None,
+        save_layout: Callable[[torch.nn.Module, Path, Mapping[str, torch.Tensor] | None], None] | None = None,
         **kwargs: Any,
     ) -> None:
         data_collator = kwargs.pop("data_collator", None)
@@ -86,7 +81,6 @@ class LongAlignTrainer(Trainer):
         # Built here, once the rank is known: it decides which slice of a shared pack this rank keeps.
         self.data_collator = data_collator or PackCollator(
             weighting=weighting,
-            ignore_index=ignore_index,
             longwriter_divisor=longwriter_divisor,
             pad_packs_to=pad_packs_to,
             sequence_parallel_size=sequence_parallel_size,
@@ -95,9 +89,11 @@ class LongAlignTrainer(Trainer):
         self.sequence_parallel_size = sequence_parallel_size
         self.max_seq_len = max_seq_len
         self.loss_chunk_size = loss_chunk_size
-        self.ignore_index = ignore_index
+        self.read_head = read_head
         self.pack_seed = pack_seed
         self.run_record = run_record or {}
+        self.save_layout = save_layout  # writes the final model in another layout (longalign.checkpoints)
+        self._checkpointing = False
         self._window = {"tokens": 0.0, "samples": 0.0, "packs": 0.0, "steps": 0, "start": 0.0}
 
     # --- data ------------------------------------------------------------------------------------------
@@ -135,16 +131,18 @@ class LongAlignTrainer(Trainer):
         """Save as transformers does; then mark the checkpoint complete; then rotate old ones out."""
         limit = self.args.save_total_limit
         self.args.save_total_limit = None  # rotating first could leave no complete checkpoint after a kill
+        self._checkpointing = True
         try:
             super()._save_checkpoint(model, trial)
         finally:
             self.args.save_total_limit = limit
+            self._checkpointing = False
         self.accelerator.wait_for_everyone()  # every rank's part (optimizer shards, RNG states) is written
         if not self.args.should_save:
             return
         run_dir = self._get_output_dir(trial=trial)
         record = {"complete": True, "step": self.state.global_step, **self.run_record}
-        write_json_atomically(
+        write_json(
             Path(run_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}" / CHECKPOINT_RECORD, record
         )
         rotate_checkpoints(
@@ -153,6 +151,21 @@ class LongAlignTrainer(Trainer):
             best_model_checkpoint=self.state.best_model_checkpoint,
             use_mtime=True,
         )
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Save as transformers does, but the final model through ``save_layout`` when one is given.
+
+        Checkpoints stay in transformers' layout: a resume loads them into the model as it is.
+        """
+        if self.save_layout is None or self._checkpointing:
+            return super()._save(output_dir, state_dict)
+        if not self.args.should_save:
+            return
+        output = Path(output_dir or self.args.output_dir)
+        self.save_layout(
+            self.accelerator.unwrap_model(self.model, keep_torch_compile=False), output, state_dict
+        )
+        torch.save(self.args, output / TRAINING_ARGS_NAME)
 
     # --- loss ------------------------------------------------------------------------------------------
 
@@ -189,9 +202,7 @@ class LongAlignTrainer(Trainer):
         return batches, torch.tensor(denominator, dtype=torch.float32, device=device)
 
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
-        total = weighted_loss_sum(
-            model, inputs, chunk_size=self.loss_chunk_size, ignore_index=self.ignore_index
-        )
+        total = weighted_loss_sum(model, inputs, chunk_size=self.loss_chunk_size, read_head=self.read_head)
         if num_items_in_batch is None:  # a lone micro-batch (e.g. a probe): normalise by itself
             num_items_in_batch = torch.tensor(inputs["loss_denominator"], device=total.device)
         # D == 0 only when no sample of the step has a target: the loss and gradient are then 0.
@@ -214,7 +225,7 @@ class LongAlignTrainer(Trainer):
             for batch in loader:
                 batch = self._prepare_inputs(batch)
                 total = weighted_loss_sum(
-                    model, batch, chunk_size=self.loss_chunk_size, ignore_index=self.ignore_index
+                    model, batch, chunk_size=self.loss_chunk_size, read_head=self.read_head
                 )
                 sums += torch.stack(
                     [

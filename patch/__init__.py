@@ -5,6 +5,7 @@ One call before training::
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     model = longalign.patch.apply(model)            # backend="auto" | "flash_attn" | ... | "sdpa_segments"
     model(input_ids=..., position_ids=..., cu_seq_lens_q=..., cu_seq_lens_k=..., max_length_q=..., max_length_k=...)
+    model(input_ids=ids, attention_mask=cu_seqlens)  # LongAlign's call: 1D int32 boundaries (cu_seqlens_mask)
 
 ``apply`` checks the architecture once (``UnsupportedModelError`` lists what is supported), registers the
 varlen attention with transformers under a ``longalign_varlen*`` name, selects it, and turns the KV cache
@@ -30,7 +31,7 @@ import torch
 
 from longalign.errors import ModelError
 
-from . import generic
+from . import cu_seqlens_mask, generic
 from .glm import GLM, GLM4, REMOTE_CODE_HINTS
 from .interface import ATTENTION_NAMES, register, varlen_attention_forward
 from .llama import LLAMA
@@ -79,6 +80,7 @@ def apply(
             f"{type(model).__name__} kept attention {model.config._attn_implementation!r}"
         )
     model.config.use_cache = False
+    cu_seqlens_mask.install(model)
     return model
 
 

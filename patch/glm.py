@@ -7,9 +7,9 @@ Both rotate only part of each head (``partial_rotary_factor``, interleaved pairs
 
 ``GlmModel`` and ``Glm4Model`` pass the batch's keyword arguments down to attention like Llama does.
 
-The original GLM-4-9B checkpoints load remote code (``trust_remote_code``, model type ``chatglm``) that
-computes attention in its own module; we do not patch remote files. Their ``-hf`` twins hold the same
-weights for transformers' native class.
+The original GLM-4-9B checkpoints are laid out for remote code (model type ``chatglm``) that computes
+attention in its own module; we never run or patch it. ``longalign.checkpoints`` reads them as
+``GlmForCausalLM`` instead.
 """
 
 from .generic import Family
@@ -19,7 +19,7 @@ GLM4 = Family(label="GLM-4", architectures=("Glm4ForCausalLM",))
 
 REMOTE_CODE_HINTS = {
     "chatglm": (
-        "For GLM-4-9B load the native checkpoint instead, e.g. THUDM/glm-4-9b-chat-hf (GlmForCausalLM), or a "
-        "GLM-4-0414 checkpoint (Glm4ForCausalLM), without trust_remote_code. ChatGLM2/3 have no native class."
+        "For GLM-4-9B load the same checkpoint with longalign.checkpoints.load_model (GlmForCausalLM, its code "
+        "not run), or convert it once with `longalign convert`. ChatGLM2/3 have no native class."
     ),
 }

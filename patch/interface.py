@@ -129,7 +129,8 @@ def padding_free_mask(*, attention_mask: torch.Tensor | None = None, **kwargs: A
     if attention_mask is not None and not bool(attention_mask.all()):
         raise ValueError(
             "the batch has padding (attention_mask has zeros); longalign's varlen attention expects packed rows "
-            "without padding: concatenate the samples and pass cu_seq_lens_q/k or position_ids instead"
+            "without padding: concatenate the samples and pass cu_seq_lens_q/k or position_ids, or their boundaries as a "
+            "1D int32 attention_mask [0, l1, l1+l2, ..., total], instead"
         )
     return None
 
@@ -138,10 +139,12 @@ def _sample_boundaries(kwargs: dict[str, Any], batch: int, length: int) -> tuple
     """``cu_seqlens`` and ``max_seqlen`` from the batch: the collator's, else read off ``position_ids``."""
     cu_seqlens = kwargs.get("cu_seq_lens_q")
     if cu_seqlens is not None:
-        if batch != 1:
+        # Over several rows the boundaries run over the rows' tokens flattened (see cu_seqlens_mask); the
+        # check costs a device sync, which the collator's single-row batches never pay.
+        if batch != 1 and int(cu_seqlens[-1]) != batch * length:
             raise ValueError(
-                f"cu_seq_lens_q describes one packed row, but the batch has {batch} rows: concatenate the "
-                "packs into a single row (batch size 1)"
+                f"cu_seq_lens_q ends at {int(cu_seqlens[-1])}, but the batch has {batch} rows of {length} tokens: "
+                "mark the samples over all rows flattened, or concatenate the packs into a single row"
             )
         max_seqlen = kwargs.get("max_length_q")
         return cu_seqlens, int(cu_seqlens.diff().max() if max_seqlen is None else max_seqlen)

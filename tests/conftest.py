@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import datasets
+import numpy as np
 import pytest
 import torch
 from transformers import (
@@ -83,6 +84,43 @@ def tiny_model(
     return longalign.patch.apply(model, backend=backend, sequence_parallel_size=sequence_parallel_size)
 
 
+# Identities checked in float32 are compared by the norm of the difference over the norm of the reference:
+# float32 kernels round differently on different CPUs (vector width, threads), element by element, but
+# their relative error over a whole tensor stays near 1e-7. A real fault (a leak between samples, a lost
+# boundary label, a wrong normaliser) moves it by 1e-3 or more.
+FLOAT32_BOUND = 1e-5
+FLOAT64_BOUND = 1e-10  # the same identities computed in float64: rounding near 1e-16, far below it
+
+
+def _float64(value) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.detach().double()
+    return torch.tensor(value, dtype=torch.float64)  # a Python float keeps its 53 bits
+
+
+def relative_error(actual, expected) -> float:
+    """``||actual - expected|| / ||expected||`` in float64; dicts and sequences of tensors count as one.
+
+    >>> relative_error(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0 + 1e-6]))  # ~4.5e-7
+    """
+    if isinstance(expected, dict):
+        assert actual.keys() == expected.keys(), (sorted(actual), sorted(expected))
+        actual, expected = [actual[k] for k in expected], list(expected.values())
+    if isinstance(expected, list | tuple):
+        actual = torch.cat([_float64(a).reshape(-1) for a in actual])
+        expected = torch.cat([_float64(e).reshape(-1) for e in expected])
+    actual, expected = _float64(actual), _float64(expected)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    scale = expected.norm()
+    return float((actual - expected).norm() / scale) if scale > 0 else float(actual.norm())
+
+
+def assert_relatively_close(actual, expected, bound: float = FLOAT32_BOUND) -> None:
+    """``relative_error(actual, expected) <= bound``, saying the error when it is not."""
+    error = relative_error(actual, expected)
+    assert error <= bound, f"relative error {error:.3g} > {bound:g}"
+
+
 def pack_row(samples: list[tuple[list[int], list[int]]]) -> dict[str, list[int]]:
     """One pack row from ``(input_ids, labels)`` samples, as the pack stage writes it."""
     seq_lens = [len(ids) for ids, _ in samples]
@@ -106,6 +144,31 @@ def count_packs(per_pack: list[list[int]]) -> list[dict[str, list[int]]]:
 
 def save_packs(path: Path, rows: list[dict]) -> Path:
     datasets.Dataset.from_list(rows).save_to_disk(str(path))
+    return path
+
+
+def make_samples(lengths: list[int], seed: int = 0, sources: list[int] | None = None) -> dict[str, list]:
+    """Pre-tokenize-shaped columns with random tokens, some labels masked, lines 1-based with gaps."""
+    rng = np.random.default_rng(seed)
+    input_ids = [rng.integers(0, 1000, n).tolist() for n in lengths]
+    labels = [[-100 if rng.random() < 0.4 else t for t in ids] for ids in input_ids]
+    return {
+        "input_ids": input_ids,
+        "labels": labels,
+        "length": lengths,
+        "num_targets": [sum(t != -100 for t in lab) for lab in labels],
+        "line": [3 * i + 1 for i in range(len(lengths))],
+        "source": sources if sources is not None else [0] * len(lengths),
+    }
+
+
+def save_samples(columns: dict[str, list], path: Path) -> Path:
+    """``columns`` saved as pre-tokenize saves its output."""
+    from longalign.tokenize import SAMPLE_FEATURES
+
+    # The pre-tokenize stage's own schema; several shards, so there are several record batches to gather from.
+    dataset = datasets.Dataset.from_dict(columns, features=SAMPLE_FEATURES)
+    dataset.save_to_disk(str(path), num_shards=max(1, min(3, len(dataset))))
     return path
 
 

@@ -19,6 +19,8 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from longalign.batching import PackCollator
 from longalign.config import LoraConfig
+from longalign.lora import adapted_head
+from longalign.loss import linear_head
 from longalign.run import close
 from longalign.trainer import LongAlignTrainer
 
@@ -74,7 +76,7 @@ def adapted_model(kind: str) -> torch.nn.Module:
     """The tiny model with :data:`ADAPTERS`, their B matrices random: at peft's zero, A's gradient is zero."""
     from longalign.lora import add_adapters
 
-    model = add_adapters(tiny_model(kind, backend="sdpa_segments"), ADAPTERS, base_model="tiny")
+    model = add_adapters(tiny_model(kind, backend="sdpa_segments").double(), ADAPTERS, base_model="tiny")
     generator = torch.Generator().manual_seed(2)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -109,7 +111,8 @@ def one_step(
             disable_tqdm=True,
         )
         common = {
-            "model": adapted_model(lora) if lora else tiny_model(backend="sdpa_segments"),
+            # float64: a split that changes the gradient shows against rounding near 1e-16, on any CPU
+            "model": adapted_model(lora) if lora else tiny_model(backend="sdpa_segments").double(),
             "args": args,
             "train_dataset": packs(samples_per_pack),
             "callbacks": [capture],
@@ -117,7 +120,8 @@ def one_step(
         if stock:
             trainer = Trainer(**common, data_collator=StockCollator())
         else:
-            trainer = LongAlignTrainer(**common, weighting=weighting, loss_chunk_size=7)
+            read_head = adapted_head if lora else linear_head
+            trainer = LongAlignTrainer(**common, weighting=weighting, loss_chunk_size=7, read_head=read_head)
         trainer.train()
     return capture.grads
 

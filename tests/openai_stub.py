@@ -17,8 +17,8 @@ stops when the ``with`` block ends. Each chat request is answered by the first r
 3. ``reject(body)`` returns a message: 400 with that message (a request the server refuses, e.g. too long);
 4. call number n (1, 2, ...) with n <= ``fail_first_with_429``: 429 with ``Retry-After: <retry_after>``;
 5. n a multiple of ``fail_every``: 500;
-6. otherwise 200 with ``reply(body)``, cut to ``max_tokens`` words if the request has it (finish_reason
-   "length", else "stop"), and ``usage`` counting whitespace-separated words: those of every message's
+6. otherwise 200 with ``reply(body)`` as it is (line breaks kept), or its first ``max_tokens`` words
+   when it has more and the request sets ``max_tokens`` (finish_reason "length", else "stop"), and ``usage`` counting whitespace-separated words: those of every message's
    content as prompt tokens, those of the reply as completion tokens.
 """
 
@@ -113,10 +113,11 @@ class OpenAIStub:
             return 429, {"Retry-After": str(self.retry_after)}, _error("Rate limit reached", "rate_limit")
         if self.fail_every and n % self.fail_every == 0:
             return 500, {}, _error("The server had an error", "server_error")
-        words = self.reply(body).split()
+        reply = self.reply(body)
+        words = reply.split()
         limit = body.get("max_tokens")
         cut = limit is not None and len(words) > limit
-        text = " ".join(words[:limit] if cut else words)
+        text = " ".join(words[:limit]) if cut else reply
         prompt_words = sum(len(str(m.get("content", "")).split()) for m in body["messages"])
         return (
             200,

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, SAMPLE, TOKENIZER
-from test_packing import make_samples, save_samples
+from conftest import SAMPLE, TOKENIZER, make_samples, save_samples
 
 from longalign.artifacts import (
     MARKER_NAME,
@@ -147,26 +146,49 @@ def session_processes(session: int) -> list[int]:
     return found
 
 
+# pre-tokenize with every tokenizing call held mid-work: each process that reaches one says so with a
+# file in SIGNS, then waits there until the test signals or kills the stage.
+_HELD_PRE_TOKENIZE = """
+import os, sys, time
+from pathlib import Path
+
+import longalign.tokenize as stage
+from longalign import cli
+
+signs, real = Path(sys.argv[1]), stage.process_line
+
+
+def held(*args, **kwargs):
+    (signs / f"at-work-{os.getpid()}").touch()
+    time.sleep(3600)
+    return real(*args, **kwargs)
+
+
+stage.process_line = held
+sys.exit(cli.main(["pre-tokenize", *sys.argv[2:]]))
+"""
+
+
 @contextmanager
 def pre_tokenize_at_work(tmp_path: Path, num_proc: int) -> Iterator[subprocess.Popen]:
-    """``pre_tokenize.py`` on the sample (20 times over) in a session of its own, once it is at work in
-    its staging directory (with ``num_proc`` > 1, once its workers run); every process of it ends after."""
-    chats = tmp_path / "chats.jsonl"
-    chats.write_text(SAMPLE.read_text() * 20)
+    """pre-tokenize in a session of its own, yielded once it is held mid-work in its staging directory
+    (with ``num_proc`` > 1, in each of its tokenizer workers); every process of it ends after."""
+    signs = tmp_path / "signs"
+    signs.mkdir()
     env = {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
     (tmp_path / "tmp").mkdir()
     process = subprocess.Popen(
-        [sys.executable, str(ROOT / "scripts" / "pre_tokenize.py"), "--input", str(chats), "--tokenizer",
+        [sys.executable, "-c", _HELD_PRE_TOKENIZE, str(signs), "--input", str(SAMPLE), "--tokenizer",
          str(TOKENIZER), "--output", str(tmp_path / "tok"), "--max-seq-len", "4096", "--num-proc", str(num_proc)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
-    workers = num_proc if num_proc > 1 else 0  # with one process, no pool
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not (
-            list(tmp_path.glob(".tok.tmp-*/.cache")) and len(session_processes(process.pid)) >= 1 + workers
-        ):
+        deadline = time.monotonic() + 120
+        while len(list(signs.iterdir())) < num_proc:  # one process, or one per worker, at work
+            assert process.poll() is None, process.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the stage never reached its work"
             time.sleep(0.05)
+        assert list(tmp_path.glob(".tok.tmp-*"))  # mid-stage: the staging directory exists
         yield process
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -193,7 +215,7 @@ def test_sigterm_mid_stage_leaves_nothing_behind(tmp_path, num_proc):
         assert process.returncode == 128 + signal.SIGTERM
         assert "Traceback" not in err  # datasets' pool turned the exit into its TimeoutError before
         assert gone_within(process.pid, 30) == []
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["chats.jsonl", "tmp"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["signs", "tmp"]
     assert list((tmp_path / "tmp").iterdir()) == []  # nothing in $TMPDIR either
 
 

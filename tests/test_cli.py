@@ -7,13 +7,12 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import DEMO, ROOT, SAMPLE, TOKENIZER, run_process
-from test_packing import make_samples, save_samples
+from conftest import DEMO, ROOT, SAMPLE, TOKENIZER, make_samples, run_process, save_samples
 
 from longalign.cli import COMMANDS, main
 from longalign.reports import PLOT_NAME
 
-SUBCOMMANDS = ["pre-tokenize", "pack", "train", "probe", "preflight", "eval", "merge"]
+SUBCOMMANDS = ["pre-tokenize", "pack", "train", "probe", "preflight", "data", "eval", "merge", "convert"]
 
 
 def test_help_lists_the_subcommands(capsys):

@@ -44,7 +44,7 @@ def test_sections_and_aliases(tmp_path):
     cfg = load_config(write(tmp_path, RUN))
     assert cfg.data.train_file == "out/packed" and cfg.data.max_seq_len == 4096
     assert cfg.packing.strategy == "ffd"
-    assert cfg.loss.weighting == "token_level" and cfg.loss.ignore_index == -100
+    assert cfg.loss.weighting == "token_level" and not hasattr(cfg.loss, "ignore_index")
     assert cfg.training.args == {
         "per_device_train_batch_size": 2,
         "gradient_accumulation_steps": 4,
@@ -83,8 +83,11 @@ M = "model.model_name_or_path=m"
 @pytest.mark.parametrize(
     "overrides, expected",
     [
-        (["packing.sort_by_length=true"], ("packing.strategy", "sorted")),
-        (["packing.sort_by_length=false"], ("packing.strategy", "bfd")),  # sets nothing
+        (["data.sort_by_length=true"], ("packing.strategy", "sorted")),  # packing not mentioned
+        (["data.sort_by_length=false"], ("packing.strategy", "bfd")),
+        (["data.packing=false", "data.sort_by_length=true"], ("packing.strategy", "sorted")),
+        (["data.packing=true", "data.sort_by_length=true"], ("packing.strategy", "bfd")),
+        (["packing.strategy='greedy'", "data.sort_by_length=true"], ("packing.sort_by_length", True)),
         (["packing.packing=false"], ("packing.strategy", "none")),
         (["packing.packing=true", "packing.strategy='greedy'"], ("packing.strategy", "greedy")),
         (["model.use_flash_attention=false"], ("model.attn_backend", "sdpa_segments")),
@@ -104,13 +107,17 @@ def test_aliases_resolve_to_one_canonical_key(overrides, expected):
     "overrides, message",
     [
         (
-            ["packing.sort_by_length=true", "packing.strategy=ffd"],
-            'packing.sort_by_length = true means packing.strategy = "sorted", but packing.strategy = "ffd"',
+            ["data.sort_by_length=false", "packing.strategy=sorted"],
+            r"packing.sort_by_length = false \(command line \(as data.sort_by_length\)\) contradicts "
+            r'packing.strategy = "sorted" \(command line\), which sorts by length',
         ),
         (
-            ["packing.packing=false", "packing.sort_by_length=true"],
-            'packing.sort_by_length = true means packing.strategy = "sorted", but packing.packing = false '
-            '\\(means "none"\\)',
+            ["data.packing=true", "packing.strategy=sorted"],
+            'data.packing = true contradicts packing.strategy = "sorted"',
+        ),
+        (
+            ["data.sort_by_length=true", "packing.sort_by_length=false"],
+            "data.sort_by_length = true means packing.sort_by_length = true, but packing.sort_by_length = false",
         ),
         (
             ["packing.packing=true", "packing.strategy=none"],
@@ -126,7 +133,7 @@ def test_aliases_resolve_to_one_canonical_key(overrides, expected):
             "training.per_device_batch_size = 2 means training.per_device_train_batch_size = 2, but "
             "training.per_device_train_batch_size = 4",
         ),
-        (["packing.sort_by_length='yes'"], "packing.sort_by_length: expected bool, got str"),
+        (["data.sort_by_length='yes'"], "data.sort_by_length: expected bool, got str"),
         (["training.per_device_batch_size='two'"], "training.per_device_batch_size: expected int"),
     ],
 )
@@ -136,10 +143,28 @@ def test_contradicting_aliases_name_both_keys(overrides, message):
 
 
 def test_command_line_wins_over_an_alias_in_the_file(tmp_path):
-    path = write(tmp_path, "[packing]\nsort_by_length = true\n[model]\nmodel_name_or_path = 'm'\n")
-    assert load_config(path).packing.strategy == "sorted"
+    path = write(tmp_path, "[data]\nsort_by_length = true\n[model]\nmodel_name_or_path = 'm'\n")
+    cfg = load_config(path)
+    assert cfg.packing.strategy == "sorted" and cfg.source("packing.strategy").endswith(
+        "(as data.sort_by_length)"
+    )
     cfg = load_config(path, ["packing.strategy=bfd"])
     assert cfg.packing.strategy == "bfd" and cfg.source("packing.strategy") == "command line"
+    cfg = load_config(path, ["data.packing=false"])
+    assert cfg.packing.strategy == "sorted"
+    assert (
+        cfg.source("packing.strategy") == f"command line (as data.packing) + {path} (as data.sort_by_length)"
+    )
+
+
+def test_the_longalign_skeleton_is_sort_and_group():
+    """packing = true, sort_by_length = true and strategy = "greedy" together: sort, then pack greedily."""
+    path = Path(__file__).parent / "data" / "longalign_skeleton.toml"
+    cfg = load_config(path)
+    assert (cfg.packing.strategy, cfg.packing.sort_by_length) == ("greedy", True)
+    assert cfg.source("packing.sort_by_length") == f"{path} (as data.sort_by_length)"
+    assert cfg.source("packing.strategy") == str(path)
+    assert cfg.loss.weighting == "sequence_level"
 
 
 def test_training_keys_the_run_sets_itself():

@@ -6,22 +6,30 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import launch, needs_launcher, tiny_model
+from conftest import (
+    FLOAT32_BOUND,
+    FLOAT64_BOUND,
+    assert_relatively_close,
+    launch,
+    needs_launcher,
+    relative_error,
+    tiny_model,
+)
 from invariance_run import SAMPLES, one_step, samples
 
 HERE = Path(__file__).resolve().parent
 N = len(SAMPLES)
 
 
-def assert_same(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-7, msg=name)
+# Sequence-level weights 1/N_i reach the loss as float32 (the collator's contract): a formula computed in
+# float64 differs from the trainer's float64 step by their rounding, about 6e-8 of each term.
+WEIGHT_ROUNDING = 1e-6
 
 
-def distance(a: dict, b: dict) -> float:
-    """Largest relative difference of any parameter's gradient."""
-    return max(float((a[k] - b[k]).norm() / a[k].norm()) for k in a if a[k].norm() > 0)
+def assert_same(got: dict, want: dict, bound: float = FLOAT64_BOUND) -> None:
+    """Every parameter's gradient, taken together, within ``bound`` of the other (norm-relative)."""
+    assert got.keys() == want.keys()
+    assert_relatively_close(got, want, bound)
 
 
 @pytest.fixture(scope="module", params=["sequence_level", "token_level"])
@@ -86,14 +94,15 @@ def test_adapters_on_two_ranks_times_accumulation_two(family, adapter_reference,
 def test_stock_trainer_is_token_level_not_sequence_level():
     """HF's own loss (token mean over the accumulated step) matches token_level and misses sequence_level."""
     stock = one_step("token_level", samples_per_pack=1, accumulation=N, stock=True)
-    assert_same(stock, one_step("token_level", samples_per_pack=1, accumulation=N))
-    assert distance(stock, one_step("sequence_level", samples_per_pack=1, accumulation=N)) > 0.05
+    # transformers' own loss computes its logits in float32, so the comparison is a float32 one
+    assert_same(stock, one_step("token_level", samples_per_pack=1, accumulation=N), FLOAT32_BOUND)
+    assert relative_error(stock, one_step("sequence_level", samples_per_pack=1, accumulation=N)) > 0.05
 
 
 def test_step_gradient_is_the_gradient_of_the_defined_loss(weighting, reference):
     """Each sample alone with full logits: token_level = sum of all CE / sum N_i, sequence_level = mean over
     samples of each sample's mean CE. The trainer's step gradient is the gradient of that loss."""
-    model = tiny_model(backend="sdpa_segments")
+    model = tiny_model(backend="sdpa_segments").double()
     per_sample = []
     for ids, labels in samples():
         logits = model(input_ids=torch.tensor([ids])).logits[0]
@@ -107,7 +116,7 @@ def test_step_gradient_is_the_gradient_of_the_defined_loss(weighting, reference)
     else:
         loss = sum(s / n for s, n in per_sample) / len(per_sample)
     loss.backward()
-    assert_same({name: p.grad for name, p in model.named_parameters()}, reference)
+    assert_same({name: p.grad for name, p in model.named_parameters()}, reference, WEIGHT_ROUNDING)
 
 
 @pytest.mark.parametrize("weighting", ["pack_token_mean", "longwriter"])
@@ -115,7 +124,7 @@ def test_reference_weightings_are_the_released_formulas(weighting):
     """Two samples per pack, one pack per micro-batch, four micro-batches: the trainer's step gradient is
     the gradient of the formula computed sample by sample with full logits."""
     per_pack = 2
-    model = tiny_model(backend="sdpa_segments")
+    model = tiny_model(backend="sdpa_segments").double()
     ce_sums, targets = [], []
     for ids, labels in samples():
         logits = model(input_ids=torch.tensor([ids])).logits[0]
@@ -134,4 +143,4 @@ def test_reference_weightings_are_the_released_formulas(weighting):
     loss = sum(terms) / len(terms)
     loss.backward()
     got = one_step(weighting, samples_per_pack=per_pack, accumulation=N // per_pack)
-    assert_same({name: p.grad for name, p in model.named_parameters()}, got)
+    assert_same({name: p.grad for name, p in model.named_parameters()}, got, WEIGHT_ROUNDING)

@@ -1,6 +1,6 @@
 import pytest
 import torch
-from conftest import TINY, tiny_model
+from conftest import FLOAT32_BOUND, FLOAT64_BOUND, TINY, assert_relatively_close, tiny_model
 from torch.nn import functional as F
 from transformers import (
     CohereConfig,
@@ -22,7 +22,8 @@ VOCAB, HIDDEN = TINY["vocab_size"], TINY["hidden_size"]
 
 def reference_loss(hidden, weight, labels, loss_weights, bias=None, scale=None, softcap=None):
     """Full [T, V] logits and F.cross_entropy, one row at a time: the definition the chunked loss must meet."""
-    logits = F.linear(hidden, weight, bias).float()
+    logits = F.linear(hidden, weight, bias)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # as the loss computes it
     if scale is not None:
         logits = logits * scale
     if softcap is not None:
@@ -51,11 +52,12 @@ def random_packs(seed: int) -> list[dict[str, list[int]]]:
     return packs
 
 
-def leaves(seed: int, num_tokens: int, bias: bool):
+def leaves(seed: int, num_tokens: int, bias: bool, dtype: torch.dtype = torch.float64):
+    """Hidden states, head weight and bias; float64 unless asked, so identities hold to rounding."""
     generator = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(1, num_tokens, HIDDEN, generator=generator, requires_grad=True)
-    weight = torch.randn(VOCAB, HIDDEN, generator=generator).mul_(0.5).requires_grad_()
-    bias = torch.randn(VOCAB, generator=generator).requires_grad_() if bias else None
+    hidden = torch.randn(1, num_tokens, HIDDEN, generator=generator, dtype=dtype, requires_grad=True)
+    weight = torch.randn(VOCAB, HIDDEN, generator=generator, dtype=dtype).mul_(0.5).requires_grad_()
+    bias = torch.randn(VOCAB, generator=generator, dtype=dtype).requires_grad_() if bias else None
     return hidden, weight, bias
 
 
@@ -83,10 +85,20 @@ def test_chunked_loss_equals_full_logits(weighting, chunk_size, scale, softcap, 
     )
     grads = torch.autograd.grad(loss, params)
 
+    assert loss.dtype == torch.float64  # a float64 head keeps float64
+    assert_relatively_close(loss, expected, FLOAT64_BOUND)
+    assert_relatively_close(grads, expected_grads, FLOAT64_BOUND)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_training_dtypes_get_a_float32_loss_close_to_the_float64_one(dtype):
+    batch = PackCollator(weighting="sequence_level")(random_packs(seed=11))
+    hidden, weight, _ = leaves(seed=12, num_tokens=batch["labels"].shape[1], bias=False)
+    args = (batch["labels"], batch["loss_weights"])
+    exact = weighted_token_loss(hidden.detach(), weight.detach(), *args)
+    loss = weighted_token_loss(hidden.detach().to(dtype), weight.detach().to(dtype), *args, chunk_size=5)
     assert loss.dtype == torch.float32
-    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
-    for grad, expected_grad in zip(grads, expected_grads, strict=True):
-        torch.testing.assert_close(grad, expected_grad, rtol=1e-4, atol=1e-5)
+    assert_relatively_close(loss, exact, FLOAT32_BOUND if dtype == torch.float32 else 2e-2)
 
 
 def test_padded_batch_gives_the_packed_loss():
@@ -99,7 +111,9 @@ def test_padded_batch_gives_the_packed_loss():
     packed = PackCollator(weighting="sequence_level")([pack])
     padded = PaddedCollator(weighting="sequence_level")(samples)
     hidden, weight, _ = leaves(seed=4, num_tokens=len(pack["input_ids"]), bias=False)
-    padded_hidden = torch.randn(*padded["labels"].shape, HIDDEN)  # padding rows: any value
+    padded_hidden = torch.randn(
+        *padded["labels"].shape, HIDDEN, dtype=hidden.dtype
+    )  # padding rows: any value
     padded_hidden[padded["attention_mask"].bool()] = hidden[0].detach()
     loss_packed = weighted_token_loss(hidden, weight, packed["labels"], packed["loss_weights"], chunk_size=3)
     loss_padded = weighted_token_loss(
@@ -189,9 +203,8 @@ def test_bf16_matches_the_bf16_full_logits_path():
     loss = weighted_token_loss(*args, chunk_size=5)
     grads = torch.autograd.grad(loss, (hidden, weight))
     assert grads[0].dtype == grads[1].dtype == torch.bfloat16
-    torch.testing.assert_close(loss, expected)
-    for grad, expected_grad in zip(grads, expected_grads, strict=True):
-        torch.testing.assert_close(grad, expected_grad, rtol=2e-2, atol=2e-3)
+    assert_relatively_close(loss, expected, FLOAT32_BOUND)  # both sum the same float32 terms
+    assert_relatively_close(grads, expected_grads, 2e-2)  # gradients round to bf16
 
 
 def test_shape_mismatch_is_an_error():
@@ -201,7 +214,7 @@ def test_shape_mismatch_is_an_error():
 
 @pytest.fixture(scope="module")
 def llama():
-    return tiny_model("llama").eval()
+    return tiny_model("llama").double().eval()
 
 
 def test_weighted_loss_sum_equals_full_logits_and_keeps_samples_apart(llama):
@@ -217,7 +230,7 @@ def test_weighted_loss_sum_equals_full_logits_and_keeps_samples_apart(llama):
     expected = reference_loss(
         hidden.last_hidden_state, llama.lm_head.weight, batch["labels"], batch["loss_weights"]
     )
-    torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-5)
+    assert_relatively_close(total, expected, FLOAT64_BOUND)
     # Each sample scored alone gives the same sum: the varlen keys reached attention through the swapped head.
     alone = 0.0
     cu_seqlens = batch["cu_seq_lens_q"].tolist()
@@ -228,7 +241,7 @@ def test_weighted_loss_sum_equals_full_logits_and_keeps_samples_apart(llama):
             logits[0, :-1], batch["labels"][0, start + 1 : end], ignore_index=X, reduction="none"
         )
         alone += float((batch["loss_weights"][0, start + 1 : end] * ce).sum())
-    assert float(total) == pytest.approx(alone, rel=1e-5)
+    assert_relatively_close(total, alone, FLOAT64_BOUND)
     assert type(llama.lm_head).forward is torch.nn.Linear.forward and "forward" not in vars(llama.lm_head)
 
 
@@ -290,7 +303,7 @@ def test_logit_transforms_are_read_and_refused_in_training(model_class, config, 
             chunk_size=3,
         )
         stock = model(input_ids=ids, labels=labels, use_cache=False).loss  # token mean over the targets
-    torch.testing.assert_close(loss / batch["loss_weights"].sum(), stock)
+    assert_relatively_close(loss / batch["loss_weights"].sum(), stock)
     # ... but the model would transform the loss returned through its head, so training refuses them.
     with pytest.raises(ValueError, match="scales or soft-caps its logits"):
         weighted_loss_sum(model, batch)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import datasets
 import numpy as np
 import pyarrow as pa
 import pytest
+from conftest import make_samples, save_samples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -22,7 +22,6 @@ from longalign.packing import (
     packing_report,
     write_packs,
 )
-from longalign.tokenize import SAMPLE_FEATURES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -108,6 +107,40 @@ def test_greedy_keeps_the_last_pack():
     assert sorted(pack(np.array([3, 2, 4, 6, 1]), 6, "greedy")) == [[0, 1], [2], [3], [4]]
 
 
+@settings(max_examples=100, deadline=None)
+@given(budgets_and_lengths)
+def test_greedy_sorted_by_length_is_next_fit_over_the_sorted_samples(case):
+    """LongAlign's sort-and-group: packs hold runs of the length-sorted samples, cut where the next one
+    does not fit."""
+    max_len, lengths = case
+    packs = pack(np.array(lengths, dtype=np.int64), max_len, "greedy", sort_by_length=True)
+    # Back in the order packed: of packs holding one length only, the fuller one was filled first.
+    packs = sorted(packs, key=lambda p: (lengths[p[0]], lengths[p[-1]], -sum(lengths[i] for i in p)))
+    order = [i for p in packs for i in p]
+    assert sorted(order) == list(range(len(lengths)))
+    assert [lengths[i] for i in order] == sorted(lengths)
+    for current, following in zip(packs, packs[1:], strict=False):
+        assert sum(lengths[i] for i in current) + lengths[following[0]] > max_len
+
+
+def test_greedy_sorted_by_length_docstring_example():
+    assert sorted(pack(np.array([4, 1, 3, 2]), 5, "greedy")) == [[0, 1], [2, 3]]
+    assert sorted(pack(np.array([4, 1, 3, 2]), 5, "greedy", sort_by_length=True)) == [[0], [1, 3], [2]]
+
+
+@pytest.mark.parametrize("strategy", ["bfd", "ffd", "sorted"])
+def test_sort_by_length_changes_nothing_for_strategies_that_sort(strategy):
+    lengths = np.random.default_rng(1).integers(1, 512, 500)
+    batch_size = 4 if strategy == "sorted" else 1
+    plain = pack(lengths, 1024, strategy, seed=5, batch_size=batch_size)
+    assert pack(lengths, 1024, strategy, seed=5, batch_size=batch_size, sort_by_length=True) == plain
+
+
+def test_sort_by_length_without_packing_is_refused():
+    with pytest.raises(ValueError, match="sorted batching is strategy 'sorted'"):
+        pack(np.array([3, 2]), 8, "none", sort_by_length=True)
+
+
 def test_bfd_docstring_example():
     assert sorted(pack(np.array([6, 5, 4, 3, 2]), 10, "bfd")) == [[0, 2], [1, 3, 4]]
 
@@ -174,28 +207,6 @@ def test_take_rows_gathers_across_record_batches():
     )
     rows = np.array([9, 0, 5, 5, 11, 2])
     assert _take_rows(table, rows).to_pylist() == table.take(rows).to_pylist()
-
-
-def make_samples(lengths: list[int], seed: int = 0, sources: list[int] | None = None) -> dict[str, list]:
-    """Pre-tokenize-shaped columns with random tokens, some labels masked, lines 1-based with gaps."""
-    rng = np.random.default_rng(seed)
-    input_ids = [rng.integers(0, 1000, n).tolist() for n in lengths]
-    labels = [[-100 if rng.random() < 0.4 else t for t in ids] for ids in input_ids]
-    return {
-        "input_ids": input_ids,
-        "labels": labels,
-        "length": lengths,
-        "num_targets": [sum(t != -100 for t in lab) for lab in labels],
-        "line": [3 * i + 1 for i in range(len(lengths))],
-        "source": sources if sources is not None else [0] * len(lengths),
-    }
-
-
-def save_samples(columns: dict[str, list], path: Path) -> Path:
-    # The pre-tokenize stage's own schema; several shards, so there are several record batches to gather from.
-    dataset = datasets.Dataset.from_dict(columns, features=SAMPLE_FEATURES)
-    dataset.save_to_disk(str(path), num_shards=max(1, min(3, len(dataset))))
-    return path
 
 
 @pytest.fixture

@@ -7,22 +7,46 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import datasets
 import pytest
 import torch
-from conftest import DEMO, ROOT, count_packs, demo_overrides, launch, needs_launcher, run_process, save_packs
+from accelerate.utils import (
+    DeepSpeedPlugin,
+    DistributedDataParallelKwargs,
+    DistributedType,
+    FullyShardedDataParallelPlugin,
+)
+from conftest import (
+    DEMO,
+    LAUNCHER,
+    ROOT,
+    count_packs,
+    demo_overrides,
+    launch,
+    needs_deepspeed,
+    needs_launcher,
+    run_process,
+    save_packs,
+)
 
 from longalign.config import load_config
 from longalign.preflight import (
     Check,
+    Parallelism,
+    Request,
     adapter_check,
     compare,
     config_check,
     env_checks,
     packs_check,
+    parallelism_check,
+    parallelism_in_effect,
     preflight_enabled,
+    requested_engines,
     sequence_parallel_checks,
+    unmet_request,
 )
 
 # Runs a script as one rank of a launch with that rank's own working directory and environment variables,
@@ -181,6 +205,109 @@ def test_adapter_row_says_what_trains_and_refuses_qlora_off_cuda():
     assert "longalign[qlora]" in qlora.fix
 
 
+# --- the parallelism row ---------------------------------------------------------------------------------
+
+# What `accelerate launch --config_file configs/accelerate/X.yaml` exports to each rank (measured).
+FSDP2_EXPORTS = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_SHARDING_STRATEGY": "FULL_SHARD"}
+ZERO3_EXPORTS = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": "zero3.json"}
+
+
+def accelerator(kind: DistributedType, ranks: int, device: str, **state) -> SimpleNamespace:
+    """What ``parallelism_in_effect`` reads of an ``Accelerator``: its state and its DDP settings."""
+    handler = state.pop("ddp_handler", None)
+    return SimpleNamespace(
+        state=SimpleNamespace(
+            distributed_type=kind, num_processes=ranks, device=torch.device(device), **state
+        ),
+        ddp_handler=handler,
+    )
+
+
+def test_parallelism_row_reads_the_engine_from_the_accelerator():
+    ddp = accelerator(
+        DistributedType.MULTI_CPU,
+        2,
+        "cpu",
+        ddp_handler=DistributedDataParallelKwargs(find_unused_parameters=False),
+    )
+    assert str(parallelism_in_effect(ddp, environ={"LOCAL_WORLD_SIZE": "2"})) == (
+        "DDP over 2 CPU ranks on 1 node, find_unused_parameters false"
+    )
+    fsdp = accelerator(
+        DistributedType.FSDP, 16, "cuda:0", fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2)
+    )
+    assert str(parallelism_in_effect(fsdp, environ={"LOCAL_WORLD_SIZE": "8"})) == (
+        "FSDP2 over 16 GPU ranks on 2 nodes, reshard_after_forward true"
+    )
+    offload = json.loads((ROOT / "configs" / "deepspeed" / "zero3_offload.json").read_text())
+    zero3 = accelerator(
+        DistributedType.DEEPSPEED, 8, "cuda:3", deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=offload)
+    )
+    running = parallelism_in_effect(zero3, sequence_parallel_size=4, environ={"LOCAL_WORLD_SIZE": "8"})
+    assert str(running) == (
+        "DeepSpeed ZeRO-3 over 8 GPU ranks on 1 node, offload params cpu, optimizer cpu; "
+        "sequence parallel: 4 ranks per pack, 2 groups"
+    )
+    alone = parallelism_in_effect(accelerator(DistributedType.NO, 1, "cpu"), environ={})
+    assert str(alone) == "single process (1 CPU rank)"
+
+
+def test_what_the_launch_asked_for_comes_from_its_exports_and_the_run_file():
+    assert requested_engines(FSDP2_EXPORTS) == [Request("FSDP", "FSDP2", "accelerate config", fsdp_version=2)]
+    assert requested_engines(ZERO3_EXPORTS, zero_stage=3) == [
+        Request("DeepSpeed", "DeepSpeed ZeRO-3", "accelerate config", zero_stage=3)
+    ]
+    assert requested_engines(
+        {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"}
+    ) == [Request("DeepSpeed", "DeepSpeed ZeRO-2", "accelerate config", zero_stage=2)]
+    assert requested_engines({}, deepspeed="ds.json", zero_stage=1) == [
+        Request("DeepSpeed", "DeepSpeed ZeRO-1", "[training] deepspeed", zero_stage=1)
+    ]
+    assert requested_engines({"ACCELERATE_USE_FSDP": "false", "ACCELERATE_USE_CPU": "1"}) == []
+
+
+def test_a_launch_that_did_not_get_its_engine_says_so_in_one_line():
+    ddp = Parallelism("DDP", world_size=2, find_unused_parameters=False)
+    assert unmet_request(ddp, requested_engines(FSDP2_EXPORTS)) == (
+        "asked for FSDP2 (accelerate config), running DDP over 2 CPU ranks: FSDP is not in effect"
+    )
+    assert unmet_request(ddp, requested_engines(ZERO3_EXPORTS, zero_stage=3)) == (
+        "asked for DeepSpeed ZeRO-3 (accelerate config), running DDP over 2 CPU ranks: DeepSpeed is not in effect"
+    )
+    zero3 = Parallelism("DeepSpeed", device="GPU", world_size=8, zero_stage=3)
+    assert unmet_request(zero3, requested_engines(ZERO3_EXPORTS, zero_stage=3)) is None
+    assert unmet_request(
+        zero3, [Request("DeepSpeed", "DeepSpeed ZeRO-2", "[training] deepspeed", zero_stage=2)]
+    ) == (
+        "asked for DeepSpeed ZeRO-2 ([training] deepspeed), running DeepSpeed ZeRO-3 over 8 GPU ranks: "
+        "ZeRO-2 is not in effect"
+    )
+    fsdp1 = Parallelism("FSDP", device="GPU", world_size=8, fsdp_version=1, sharding="FULL_SHARD")
+    assert unmet_request(fsdp1, requested_engines(FSDP2_EXPORTS)).endswith(
+        "over 8 GPU ranks: FSDP2 is not in effect"
+    )
+    assert unmet_request(ddp, []) is None
+
+
+def test_an_unmet_request_warns_without_failing_and_a_rank_that_runs_otherwise_differs():
+    asked = requested_engines(FSDP2_EXPORTS)
+    ddp = parallelism_check(Parallelism("DDP", world_size=2), asked)
+    report = compare([[ddp], [ddp]])
+    assert report.ok and report.warnings == [
+        "parallelism: asked for FSDP2 (accelerate config), running DDP over 2 CPU ranks: FSDP is not in effect"
+    ]
+    assert table_rows(report)["parallelism"][0].split()[:4] == ["parallelism", "warning", "all", "DDP"]
+    assert str(report).splitlines()[-2:] == [report.warnings[0], "preflight: ok"]
+    # Only rank 1 was launched with the FSDP config: the rows differ, and the warning names the rank.
+    plain = parallelism_check(Parallelism("DDP", world_size=2))
+    other_node = parallelism_check(Parallelism("DDP", world_size=2, nodes=2), asked)
+    mixed = compare([[plain], [other_node]])
+    assert mixed.warnings == [report.warnings[0] + " (rank 1)"]
+    assert mixed.problems[0].startswith(
+        "parallelism: rank 1 differs from rank 0 (DDP over 2 CPU ranks on 2 nodes vs DDP over 2 CPU ranks on 1 node)"
+    )
+
+
 # --- real launches ---------------------------------------------------------------------------------------
 
 
@@ -217,10 +344,12 @@ def test_two_ranks_that_agree_pass(tmp_path, nodes):
         "attention backend",
         "env WANDB_PROJECT",
         "all-reduce",
+        "parallelism",
     ):
         line = next(line for line in out.splitlines() if line.startswith(check + "  "))
         assert line.split()[len(check.split()) : len(check.split()) + 2] == ["ok", "all"], line
     assert "ok, 2 ranks" in out and "sdpa_segments (float32 on cpu)" in out
+    assert "  DDP over 2 CPU ranks on 1 node, find_unused_parameters false\n" in out
     assert "hf_very_secret" not in out + result.stderr
 
 
@@ -265,3 +394,72 @@ def test_train_runs_the_preflight_when_asked_on_one_rank(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "preflight: 1 rank" in result.stdout and "preflight: ok" in result.stdout
     assert "train_runtime" in result.stdout + result.stderr
+
+
+def launch_with_config(
+    accelerate_config: str, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """``accelerate launch --config_file configs/accelerate/<accelerate_config>`` on 2 ranks, as a user would.
+
+    Each rank runs on CPU by the demo run file's ``use_cpu``, or by the launcher's ``ACCELERATE_USE_CPU``
+    when ``env`` sets it (what ``--cpu`` does).
+    """
+    cmd = [str(LAUNCHER), "launch", "--config_file", str(ROOT / "configs" / "accelerate" / accelerate_config),
+           "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", "0", *args]  # fmt: skip
+    return run_process(cmd, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def parallelism_line(out: str) -> list[str]:
+    """The parallelism row as ``[status, ranks, value]``."""
+    line = next(line for line in out.splitlines() if line.startswith("parallelism "))
+    return line.split(None, 3)[1:]
+
+
+FSDP_NOT_IN_EFFECT = (
+    "asked for FSDP2 (accelerate config), running DDP over 2 CPU ranks: FSDP is not in effect"
+)
+DEEPSPEED_NOT_IN_EFFECT = (
+    "asked for DeepSpeed ZeRO-3 (accelerate config), running DDP over 2 CPU ranks: DeepSpeed is not in effect"
+)
+
+
+@pytest.mark.integration
+@needs_launcher
+@pytest.mark.parametrize(
+    "accelerate_config, env, asked",
+    [
+        ("fsdp2.yaml", {}, FSDP_NOT_IN_EFFECT),  # FSDP needs a GPU-like device: accelerate runs DDP
+        pytest.param(  # the launcher's --cpu turns DeepSpeed off (run-file use_cpu alone does not)
+            "zero3.yaml", {"ACCELERATE_USE_CPU": "1"}, DEEPSPEED_NOT_IN_EFFECT, marks=needs_deepspeed
+        ),
+    ],
+    ids=["fsdp2", "zero3-cpu-launch"],
+)
+def test_a_sharding_config_that_is_not_in_effect_says_so(tmp_path, accelerate_config, env, asked):
+    packs = write_packs(tmp_path / "packs", PACKS)
+    result = launch_with_config(
+        accelerate_config, "-m", "longalign", "preflight", "--config", str(DEMO),
+        *demo_overrides(tmp_path / "run", packs), env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]  # a warning, not a failure
+    out = result.stdout
+    row = ["warning", "all", "DDP over 2 CPU ranks on 1 node, find_unused_parameters false"]
+    assert parallelism_line(out) == row
+    assert f"\nparallelism: {asked}\npreflight: ok\n" in out
+
+
+@pytest.mark.integration
+@needs_launcher
+@needs_deepspeed
+def test_train_reports_zero3_with_sequence_parallelism_on_cpu_ranks(tmp_path):
+    packs = write_packs(tmp_path / "packs", PACKS)
+    result = launch_with_config(
+        "zero3.yaml", str(ROOT / "train.py"), "--config", str(DEMO), *demo_overrides(tmp_path / "run", packs),
+        "training.sequence_parallel_size=2", "training.max_steps=1", "training.save_strategy='no'",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    out = result.stdout
+    assert parallelism_line(out) == [
+        "ok", "all", "DeepSpeed ZeRO-3 over 2 CPU ranks on 1 node; sequence parallel: 2 ranks per pack, 1 group"
+    ]  # fmt: skip
+    assert "asked for" not in out and "preflight: ok" in out and "train_runtime" in out

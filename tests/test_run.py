@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import (
     DEMO,
+    ROOT,
     SAMPLE,
     TOKENIZER,
     count_packs,
@@ -24,7 +25,7 @@ from conftest import (
 
 from longalign.artifacts import load_stage, read_report
 from longalign.config import load_config
-from longalign.errors import ConfigError
+from longalign.errors import ConfigError, InputError
 from longalign.run import (
     adapter_record,
     check_sequence_parallel,
@@ -95,11 +96,13 @@ def test_sequence_parallel_takes_only_the_exact_weightings():
 
 
 def test_sequence_parallel_fits_the_demo_model_in_groups_of_two_and_four():
-    check_sequence_parallel(load_config(DEMO), 3)  # off: nothing to check
-    check_sequence_parallel(load_config(DEMO, ["training.sequence_parallel_size=2"]), 4)
-    check_sequence_parallel(
-        load_config(DEMO, ["training.sequence_parallel_size=4"]), 4
-    )  # 2 KV heads, each twice
+    assert check_sequence_parallel(load_config(DEMO), 3) == [[0], [1], [2]]  # off: every rank alone
+    assert check_sequence_parallel(load_config(DEMO, ["training.sequence_parallel_size=2"]), 4) == [
+        [0, 1],
+        [2, 3],
+    ]
+    four = load_config(DEMO, ["training.sequence_parallel_size=4"])
+    assert check_sequence_parallel(four, 4) == [[0, 1, 2, 3]]  # 2 KV heads, each on two ranks
     with pytest.raises(ConfigError, match="its 4 attention heads are not a multiple of 8"):
         check_sequence_parallel(load_config(DEMO, ["training.sequence_parallel_size=8"]), 8)
 
@@ -224,11 +227,12 @@ def test_a_resume_with_other_adapters_or_none_is_refused(tmp_path):
     assert compare_records(path, same, ignore_changes=False) == []
 
 
-def test_adapter_runs_tell_ddp_every_trained_parameter_is_used():
+def test_ddp_is_told_every_trained_parameter_is_used():
     assert training_arguments(load_config(DEMO, ["lora.r=8"])).ddp_find_unused_parameters is False
-    assert training_arguments(load_config(DEMO)).ddp_find_unused_parameters is None  # Trainer decides
-    kept = load_config(DEMO, ["lora.r=8", "training.ddp_find_unused_parameters=true"])
-    assert training_arguments(kept).ddp_find_unused_parameters is True
+    assert training_arguments(load_config(DEMO)).ddp_find_unused_parameters is False  # full fine-tuning too
+    for overrides in (["lora.r=8"], []):
+        kept = load_config(DEMO, [*overrides, "training.ddp_find_unused_parameters=true"])
+        assert training_arguments(kept).ddp_find_unused_parameters is True
 
 
 def test_a_checkpoint_without_a_record_needs_the_override(tmp_path):
@@ -252,13 +256,21 @@ def test_packed_rows_must_fit_max_seq_len(tmp_path):
         resolve_packs("train", small, args)
 
 
-def test_labels_must_use_the_configured_ignore_index(tmp_path):
+def test_labels_mark_non_targets_with_minus_100(tmp_path):
     rows = count_packs([[4, 3]])
-    rows[0]["labels"][0] = -100
+    rows[0]["labels"][0] = -1
     packs = save_packs(tmp_path / "packs", rows)
-    cfg = load_config(DEMO, ["loss.ignore_index=-1", f"data.train_file='{packs}'"])
-    with pytest.raises(ConfigError, match=r"loss.ignore_index: -1, but .* marks non-targets with -100"):
+    cfg = load_config(DEMO, [f"data.train_file='{packs}'"])
+    with pytest.raises(InputError, match=r"packs: labels mark non-targets with -1, not -100 as pre-tokenize"):
         resolve_packs("train", cfg, training_arguments(cfg))
+
+
+def test_ignore_index_is_accepted_as_run_files_write_it_and_nothing_else():
+    assert load_config(DEMO, ["loss.ignore_index=-100"]).source("loss.ignore_index") == "default"
+    with pytest.raises(
+        ConfigError, match=r"loss.ignore_index: only -100 is accepted \(labels mark non-targets"
+    ):
+        load_config(DEMO, ["loss.ignore_index=-1"])
 
 
 def test_token_ids_must_fit_the_model_vocabulary(tmp_path):
@@ -357,11 +369,96 @@ def test_dry_run_prints_settings_with_sources_and_the_packing(tmp_path, chats, c
 
     long_path, _ = chats
     argv = ["train", "--config", str(DEMO), f"data.train_file='{long_path}'", f"model.tokenizer='{TOKENIZER}'",
-            f"training.output_dir='{tmp_path / 'run'}'", "data.sort_by_length=true", "--dry-run"]  # fmt: skip
+            f"training.output_dir='{tmp_path / 'run'}'", "data.packing=false", "data.sort_by_length=true",
+            "--dry-run"]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
     strategy = next(line for line in out.splitlines() if line.strip().startswith("packing.strategy"))
-    assert '"sorted"' in strategy and strategy.endswith("command line (as data.sort_by_length)")
+    assert '"sorted"' in strategy
+    assert strategy.endswith("command line (as data.packing) + command line (as data.sort_by_length)")
     assert "lines read     40" in out and "strategy       sorted" in out
     assert out.rstrip().endswith("dry run: no model weights loaded, nothing trained")
     assert not (tmp_path / "run" / "checkpoint-1").exists()
+
+
+@pytest.fixture
+def planning_machine(tmp_path, monkeypatch):
+    """No GPU, no network (a connection attempt fails the test), an empty Hugging Face cache, no data."""
+    import socket
+
+    import huggingface_hub
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("the dry run tried to reach the network")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)  # the run files' relative data paths lead nowhere
+    return tmp_path
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.toml")), ids=lambda path: path.name)
+def test_every_shipped_run_file_dry_runs_on_a_planning_machine(planning_machine, path, capsys):
+    """Exit 0 on a CPU-only machine without network, cache or data, naming each thing it could not check."""
+    from longalign.cli import main
+
+    assert main(["train", "--config", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    cfg = load_config(path)
+    expected = [f"not checked: train data: {cfg.data.train_file} not found here; not prepared or checked"]
+    if cfg.model.init_from_config is None:
+        name = cfg.model.model_name_or_path
+        expected += [
+            f"not checked: tokenizer {cfg.model.tokenizer or name}: not a local directory nor in the Hugging Face cache",
+            f"not checked: model {name}: its config.json is not a local file nor in the Hugging Face cache",
+        ]
+    if cfg.training.args.get("bf16"):
+        expected.append("needs a GPU, not checked here (none on this machine): training.bf16 = true")
+    for line in expected:
+        assert line in out, line
+    assert out.rstrip().endswith("dry run: no model weights loaded, nothing trained")
+
+
+def test_gpu_settings_are_listed_not_refused_without_a_gpu(planning_machine):
+    from longalign.run import dry_run_arguments, gpu_settings
+
+    cfg = load_config(DEMO, ["training.bf16=true", "training.tf32=true", "model.attn_backend='flash_attn'",
+                             "lora.load_in_4bit=true", "training.use_cpu=false"])  # fmt: skip
+    args, needs_gpu = dry_run_arguments(cfg)
+    assert needs_gpu == [
+        "training.bf16 = true",
+        "training.tf32 = true",
+        'model.attn_backend = "flash_attn"',
+        "lora.load_in_4bit = true",
+    ]
+    assert not args.bf16 and not args.tf32 and args.learning_rate == 3e-3  # the rest is checked as written
+    assert gpu_settings(load_config(DEMO, ["training.bf16=true"])) == []  # use_cpu: bf16 runs on the CPU
+    with pytest.raises(ConfigError, match="support bf16/gpu"):
+        training_arguments(cfg)  # the run itself still refuses what this machine cannot do
+
+
+def test_a_dry_run_reads_a_cached_model_and_tokenizer_without_the_network(planning_machine, chats, capsys):
+    """A Hub id found in the Hugging Face cache is checked offline: its vocabulary against the data."""
+    import shutil
+
+    from longalign.cli import main
+
+    repo = planning_machine / "hub" / "models--org--tiny"
+    snapshot = repo / "snapshots" / "abc123"
+    shutil.copytree(TOKENIZER, snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    long_path, _ = chats
+    run = planning_machine / "run.toml"
+    run.write_text(
+        f"[data]\ntrain_file = '{long_path}'\nmax_seq_len = 2048\n[training]\nuse_cpu = true\n"
+        f"output_dir = '{planning_machine / 'out'}'\n[model]\nmodel_name_or_path = 'org/tiny'\n"
+    )
+    for vocab_size, status in ((4096, 0), (4000, 2)):  # the shipped tokenizer has 4096 entries
+        tiny_model(vocab_size=vocab_size).config.save_pretrained(snapshot)
+        assert main(["train", "--config", str(run), "--dry-run"]) == status
+        out, err = capsys.readouterr()
+        assert "not checked" not in out
+    assert err.strip().endswith("is outside the model's vocabulary of 4000 (was the data tokenized with another "
+                                "tokenizer, or is the model's vocab_size too small?)")  # fmt: skip

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import tomllib
 import torch
-from conftest import DEMO, ROOT, SAMPLE, TOKENIZER, launch, step_losses, train_demo
+from conftest import DEMO, ROOT, SAMPLE, TOKENIZER, launch, run_process, step_losses, train_demo
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 pytestmark = pytest.mark.integration
@@ -142,3 +142,35 @@ def test_a_wrong_setting_before_training_is_one_line(tokenized_sample, tmp_path)
     assert result.stderr.strip().splitlines() == ["train.py: error: loss.chunk_size: must be >= 1, got 0"], (
         result.stderr
     )
+
+
+def test_the_longalign_skeleton_dry_runs_and_trains_on_raw_chats(tmp_path):
+    """The run file LongAlign / LongWriter users bring (packing and sort_by_length on, greedy packing), as
+    written but for its paths and sizes, the demo's tiny random model, and a learning rate that moves it
+    within 12 steps: the dry run shows what each key resolved to, and the run sorts, packs and learns."""
+    skeleton = ROOT / "tests" / "data" / "longalign_skeleton.toml"
+    tiny = tomllib.loads(DEMO.read_text())["model"]["init_from_config"]
+    model = "{" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in tiny.items()) + "}"
+    command = [
+        sys.executable, str(ROOT / "train.py"), "--config", str(skeleton),
+        f"data.train_file={json.dumps(str(SAMPLE))}", "data.max_seq_len=2048",
+        f"training.output_dir={json.dumps(str(tmp_path / 'run'))}", "training.max_steps=12",
+        "training.logging_steps=3", "training.save_strategy='no'", "training.learning_rate=3e-3",
+        "model.model_name_or_path=''", f"model.init_from_config={model}", f"model.tokenizer={json.dumps(str(TOKENIZER))}",
+    ]  # fmt: skip
+    planned = run_process([*command, "--dry-run"], timeout=600, cwd=ROOT)
+    assert planned.returncode == 0, planned.stderr[-4000:]
+    settings = {
+        line.split()[0]: line.split(maxsplit=2)[1:] for line in planned.stdout.splitlines()[1:] if line
+    }
+    assert settings["packing.strategy"] == ['"greedy"', str(skeleton)]
+    assert settings["packing.sort_by_length"] == ["true", f"{skeleton} (as data.sort_by_length)"]
+    assert settings["loss.weighting"] == ['"sequence_level"', f"{skeleton} (as loss.normalize_by_tokens)"]
+    assert "strategy       greedy" in planned.stdout and "not checked" not in planned.stdout
+
+    trained = run_process(command, timeout=600, cwd=ROOT)
+    assert trained.returncode == 0, trained.stderr[-4000:]
+    losses = list(step_losses(tmp_path / "run").values())
+    assert len(losses) == 4 and losses[-1] < losses[0] - 0.5
+    report = json.loads(next((tmp_path / "run" / "data").glob("packed-*/report.json")).read_text())
+    assert report["strategy"] == "greedy" and report["sort_by_length"]

@@ -19,7 +19,7 @@ def test_eval_loss_does_not_depend_on_packing(weighting, tmp_path):
     )
     for per_pack in (1, 3, 8):
         trainer = LongAlignTrainer(
-            model=tiny_model(backend="sdpa_segments"),
+            model=tiny_model(backend="sdpa_segments").double(),  # float64: packing changes rounding only
             args=args,
             weighting=weighting,
             eval_dataset=packs(per_pack),
@@ -27,5 +27,5 @@ def test_eval_loss_does_not_depend_on_packing(weighting, tmp_path):
         metrics = trainer.evaluate()
         assert metrics["eval_samples"] == 8
         losses.append(metrics["eval_loss"])
-    assert losses[0] == pytest.approx(losses[1], rel=1e-6) == pytest.approx(losses[2], rel=1e-6)
+    assert losses[0] == pytest.approx(losses[1], rel=1e-10) == pytest.approx(losses[2], rel=1e-10)
     assert np.isfinite(losses[0]) and losses[0] > 0

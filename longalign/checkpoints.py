@@ -1,0 +1,922 @@
+"""Model loading for every entry point: native transformers checkpoints, and GLM-4-9B's ChatGLM layout.
+
+GLM-4-9B (glm-4-9b, glm-4-9b-chat, LongWriter-glm4-9b) ships for its own remote code: ``model_type =
+"chatglm"``, fused weights, a tiktoken rank file. longalign never imports that code: it reads
+``config.json`` as JSON, builds transformers' own ``GlmForCausalLM`` and renames the weights in memory::
+
+    model = load_model("THUDM/glm-4-9b-chat", dtype=torch.bfloat16)   # GlmForCausalLM, no remote code run
+    tokenizer = rank_file_tokenizer(path)                              # tokenizer.model -> fast BPE
+    save_chatglm(model.state_dict(), "out/model", source=path)         # back in the layout it came in
+    convert("THUDM/glm-4-9b-chat", "out/native")                       # offline, either way
+    rewrite_adapter(adapter_dir, chatglm_config, to=CHATGLM)           # a peft LoRA adapter, either way
+
+The weights, per layer N (``kv`` = ``kv_channels``, ``h`` heads, ``g`` = ``multi_query_group_num``)::
+
+    transformer.embedding.word_embeddings          model.embed_tokens
+    ...layers.N.input_layernorm                    model.layers.N.input_layernorm
+    ...layers.N.self_attention.query_key_value     rows [0, h*kv)            -> self_attn.q_proj
+                                                   rows [h*kv, (h+g)*kv)     -> self_attn.k_proj
+                                                   rows [(h+g)*kv, (h+2g)*kv) -> self_attn.v_proj
+    ...layers.N.self_attention.dense               self_attn.o_proj
+    ...layers.N.post_attention_layernorm           post_attention_layernorm
+    ...layers.N.mlp.dense_h_to_4h                  mlp.gate_up_proj   (gate rows first, as GLM has them)
+    ...layers.N.mlp.dense_4h_to_h                  mlp.down_proj
+    transformer.encoder.final_layernorm            model.norm
+    transformer.output_layer                       lm_head
+    transformer.rotary_pos_emb.inv_freq            (dropped: recomputed from the config)
+
+(``...`` is ``transformer.encoder``.) Anything else, in the weights or in ``config.json``, is refused in
+one line naming it rather than guessed.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import shutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from longalign.errors import ConfigError, ModelError, PathError
+
+if TYPE_CHECKING:
+    from transformers import GlmConfig, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast
+
+CHATGLM = "chatglm"  # the layout of GLM-4-9B's remote-code checkpoints (its model_type)
+NATIVE = "native"  # a checkpoint transformers loads with its own classes
+LAYOUTS = (NATIVE, CHATGLM)
+
+ROPE_BASE = 10000.0  # rope theta = ROPE_BASE x rope_ratio
+# The special tokens that follow the ranks of a GLM-4 rank file, in id order.
+GLM4_SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "[MASK]",
+    "[gMASK]",
+    "[sMASK]",
+    "<sop>",
+    "<eop>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|observation|>",
+    "<|begin_of_image|>",
+    "<|end_of_image|>",
+    "<|begin_of_video|>",
+    "<|end_of_video|>",
+)
+# GLM-4's pre-tokenizer split (the cl100k one): contractions, letters, 1-3 digits, punctuation, whitespace.
+GLM4_SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+RANK_FILE = "tokenizer.model"
+
+# config.json keys of the layout, by what the mapping does with them.
+_MAPPED = {
+    "padded_vocab_size": "vocab_size",
+    "hidden_size": "hidden_size",
+    "ffn_hidden_size": "intermediate_size",
+    "num_layers": "num_hidden_layers",
+    "num_attention_heads": "num_attention_heads",
+    "multi_query_group_num": "num_key_value_heads",
+    "kv_channels": "head_dim",
+    "layernorm_epsilon": "rms_norm_eps",
+    "seq_length": "max_position_embeddings",
+    "add_qkv_bias": "attention_bias",
+    "attention_dropout": "attention_dropout",
+    "pad_token_id": "pad_token_id",
+    "eos_token_id": "eos_token_id",
+    "bos_token_id": "bos_token_id",
+    "use_cache": "use_cache",
+}
+# Settings the mapping holds fixed: another value changes the math GlmForCausalLM computes.
+_FIXED = {
+    "multi_query_attention": True,
+    "add_bias_linear": False,
+    "apply_residual_connection_post_layernorm": False,
+    "rmsnorm": True,
+    "post_layer_norm": True,
+    "fp32_residual_connection": False,
+    "original_rope": True,
+    "tie_word_embeddings": False,
+    "hidden_dropout": 0.0,
+    "pre_seq_len": None,
+    "prefix_projection": False,
+    "quantization_bit": 0,
+    "rope_scaling": None,
+}
+# Keys that do not change the math: names, code pointers, kernels, and the query-key layer scaling that
+# the fp32 softmax multiplies back out.
+_IGNORED = {
+    "_name_or_path",
+    "architectures",
+    "auto_map",
+    "model_type",
+    "transformers_version",
+    "torch_dtype",
+    "dtype",
+    "attn_implementation",
+    "apply_query_key_layer_scaling",
+    "attention_softmax_in_fp32",
+    "bias_dropout_fusion",
+    "classifier_dropout",
+    "num_hidden_layers",  # checked against num_layers
+    "vocab_size",  # the tokenizer's size; the embedding has padded_vocab_size rows
+    "rope_ratio",  # read into rope_parameters
+}
+# The remote code's names, for a config.json written from a native model.
+_CHATGLM_AUTO_MAP = {
+    "AutoConfig": "configuration_chatglm.ChatGLMConfig",
+    "AutoModel": "modeling_chatglm.ChatGLMForConditionalGeneration",
+    "AutoModelForCausalLM": "modeling_chatglm.ChatGLMForConditionalGeneration",
+    "AutoModelForSeq2SeqLM": "modeling_chatglm.ChatGLMForConditionalGeneration",
+    "AutoModelForSequenceClassification": "modeling_chatglm.ChatGLMForSequenceClassification",
+}
+RECORD_KEY = "chatglm_config"  # in a native config.json: the ChatGLM config.json it was converted from
+_WEIGHT_FILES = re.compile(r".*\.(safetensors|bin)$|.*\.(safetensors|bin)\.index\.json$")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A model named by the user: where it is on this machine and its ``config.json``, read as JSON."""
+
+    name: str  # as the user wrote it
+    path: Path | None  # the local directory (a Hub id through the local cache); None: not on this machine
+    config: dict[str, Any] | None  # config.json; None when there is none here
+
+    @property
+    def layout(self) -> str:
+        """``chatglm`` for GLM-4-9B's remote-code layout, else ``native``."""
+        return CHATGLM if (self.config or {}).get("model_type") == CHATGLM else NATIVE
+
+
+def find_checkpoint(name: str, *, trust_remote_code: bool = False) -> Checkpoint:
+    """The checkpoint ``name`` (a directory, or a Hub id resolved through the local cache only).
+
+    Refuses, before anything is imported, a checkpoint whose ``auto_map`` points to remote code longalign
+    cannot map (see :func:`check_remote_code`).
+    """
+    path = local_dir(name)
+    config = None
+    if path is not None and (path / "config.json").is_file():
+        config = _read_json(path / "config.json")
+    checkpoint = Checkpoint(name, path, config)
+    check_remote_code(checkpoint, trust_remote_code=trust_remote_code)
+    return checkpoint
+
+
+def local_dir(name: str) -> Path | None:
+    """``name`` as a local directory: itself, or the cached snapshot of a Hub id; None when neither."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    if name.startswith((".", "/", "~")) or name.count("/") != 1:
+        return None
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(name, local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError, OSError):
+        return None
+
+
+def check_remote_code(checkpoint: Checkpoint, *, trust_remote_code: bool) -> None:
+    """Refuse a checkpoint whose ``auto_map`` would run code with the weights, unless its layout maps.
+
+    The ChatGLM layout maps onto ``GlmForCausalLM``. Other remote code is refused whenever it would be
+    needed: its model type is unknown to transformers, or ``trust_remote_code`` asks for it.
+    """
+    config = checkpoint.config or {}
+    auto_map = config.get("auto_map")
+    model_type = config.get("model_type")
+    if not auto_map or model_type == CHATGLM:
+        return
+    from transformers import CONFIG_MAPPING
+
+    native = model_type in CONFIG_MAPPING
+    if native and not trust_remote_code:
+        return  # transformers uses its own class and ignores auto_map
+    modules = sorted({str(entry).split(".")[0] for entry in _flatten(auto_map.values())})
+    fix = (
+        f"load it without trust_remote_code to use transformers' own {model_type!r} class"
+        if native
+        else "supported: transformers' own model types, and 'chatglm' (GLM-4-9B's layout, read as GlmForCausalLM)"
+    )
+    raise ModelError(
+        f"{checkpoint.name}: config.json's auto_map points to remote code ({', '.join(modules)}) for model type "
+        f"{model_type!r}, and longalign never runs a checkpoint's code; {fix}"
+    )
+
+
+def _flatten(values: Any) -> list[Any]:
+    out = []
+    for value in values:
+        out += _flatten(value) if isinstance(value, list | tuple) else [value] if value else []
+    return out
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as err:
+        raise ModelError(f"{path}: not valid JSON ({err})") from None
+
+
+# --- config ------------------------------------------------------------------------------------------------
+
+
+def glm_config(chatglm: Mapping[str, Any], name: str = "config.json") -> GlmConfig:
+    """transformers' ``GlmConfig`` for a ChatGLM-layout ``config.json``; a key it cannot map is an error.
+
+    The original is kept as ``chatglm_config`` so that a native copy converts back to it unchanged.
+    """
+    from transformers import GlmConfig
+
+    if chatglm.get("rope_ratio") is None:
+        raise ModelError(
+            f"{name}: no rope_ratio, so the RoPE base of this ChatGLM checkpoint (ChatGLM2/3-6B) is fixed in its "
+            "modeling code, not in its config; longalign does not guess it"
+        )
+    for key in ("padded_vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads"):
+        if key not in chatglm:
+            raise ModelError(f"{name}: {key} is missing")
+    for key, value in chatglm.items():
+        if key in _FIXED and value != _FIXED[key] and not (value is None and _FIXED[key] in (0, False)):
+            raise ModelError(
+                f"{name}: {key} = {json.dumps(value)} is not supported (GlmForCausalLM computes "
+                f"{key} = {json.dumps(_FIXED[key])})"
+            )
+        if key not in _MAPPED and key not in _FIXED and key not in _IGNORED:
+            raise ModelError(
+                f"{name}: {key} is a ChatGLM setting longalign does not map; refusing to guess it"
+            )
+    layers = chatglm.get("num_hidden_layers", chatglm.get("num_layers"))
+    if layers != chatglm.get("num_layers"):
+        raise ModelError(f"{name}: num_hidden_layers = {layers} but num_layers = {chatglm.get('num_layers')}")
+    settings = {target: chatglm[key] for key, target in _MAPPED.items() if key in chatglm}
+    settings.setdefault("num_key_value_heads", chatglm["num_attention_heads"])
+    settings.setdefault("head_dim", chatglm["hidden_size"] // chatglm["num_attention_heads"])
+    dtype = chatglm.get("torch_dtype", chatglm.get("dtype"))
+    return GlmConfig(
+        **settings,
+        hidden_act="silu",
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": ROPE_BASE * chatglm["rope_ratio"],
+            "partial_rotary_factor": 0.5,
+        },
+        architectures=["GlmForCausalLM"],
+        **({"dtype": dtype} if dtype else {}),
+        **{RECORD_KEY: dict(chatglm)},
+    )
+
+
+def chatglm_config(config: PretrainedConfig) -> dict[str, Any]:
+    """The ChatGLM-layout ``config.json`` of a ``GlmConfig``: the recorded original, else written from it."""
+    recorded = getattr(config, RECORD_KEY, None)
+    if recorded:
+        return dict(recorded)
+    if config.model_type != "glm":
+        raise ModelError(
+            f"a {config.model_type!r} model has no ChatGLM layout (only GlmForCausalLM, model type 'glm', has one)"
+        )
+    rope = config.rope_parameters or {}
+    if rope.get("rope_type", "default") != "default" or rope.get("partial_rotary_factor") != 0.5:
+        raise ModelError(
+            f"rope_parameters = {rope}: the ChatGLM layout rotates half of each head with plain RoPE"
+        )
+    if config.hidden_act != "silu" or config.tie_word_embeddings:
+        raise ModelError("the ChatGLM layout has a SwiGLU MLP and an untied output layer")
+    dtype = config.dtype if isinstance(config.dtype, str) or config.dtype is None else str(config.dtype)
+    return {
+        "architectures": ["ChatGLMModel"],
+        "auto_map": dict(_CHATGLM_AUTO_MAP),
+        "model_type": CHATGLM,
+        **{key: getattr(config, target) for key, target in _MAPPED.items()},
+        "num_hidden_layers": config.num_hidden_layers,
+        "rope_ratio": rope["rope_theta"] / ROPE_BASE,
+        **{key: value for key, value in _FIXED.items() if key not in ("pre_seq_len", "rope_scaling")},
+        "torch_dtype": dtype.removeprefix("torch.") if dtype else "float32",
+    }
+
+
+# --- weights -----------------------------------------------------------------------------------------------
+
+_LAYER = re.compile(r"transformer\.encoder\.layers\.(\d+)\.(.+)")
+_LAYER_NAMES = {  # ChatGLM name inside a layer -> GLM name inside a layer, for the one-to-one weights
+    "input_layernorm.weight": "input_layernorm.weight",
+    "post_attention_layernorm.weight": "post_attention_layernorm.weight",
+    "self_attention.dense.weight": "self_attn.o_proj.weight",
+    "mlp.dense_h_to_4h.weight": "mlp.gate_up_proj.weight",
+    "mlp.dense_4h_to_h.weight": "mlp.down_proj.weight",
+}
+_TOP_NAMES = {
+    "transformer.embedding.word_embeddings.weight": "model.embed_tokens.weight",
+    "transformer.encoder.final_layernorm.weight": "model.norm.weight",
+    "transformer.output_layer.weight": "lm_head.weight",
+}
+_DROPPED = "transformer.rotary_pos_emb.inv_freq"
+
+
+def _qkv_rows(config: Mapping[str, Any]) -> list[int]:
+    """Rows of ``query_key_value`` for q, k and v: heads x kv_channels, then groups x kv_channels twice."""
+    head_dim = config.get("kv_channels") or config["hidden_size"] // config["num_attention_heads"]
+    groups = config.get("multi_query_group_num", config["num_attention_heads"])
+    return [config["num_attention_heads"] * head_dim, groups * head_dim, groups * head_dim]
+
+
+def to_native(state: Mapping[str, torch.Tensor], config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """ChatGLM weight names -> ``GlmForCausalLM``'s (the fused qkv split by rows); views, no copies.
+
+    ``transformer.encoder.layers.0.self_attention.query_key_value.weight [(h+2g)*kv, H]`` becomes
+    ``model.layers.0.self_attn.{q,k,v}_proj.weight`` of ``[h*kv, H]``, ``[g*kv, H]``, ``[g*kv, H]``.
+    """
+    rows = _qkv_rows(config)
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in state.items():
+        if key == _DROPPED:
+            continue
+        if key in _TOP_NAMES:
+            out[_TOP_NAMES[key]] = tensor
+            continue
+        match = _LAYER.fullmatch(key)
+        inner = match.group(2) if match else None
+        if inner in _LAYER_NAMES:
+            out[f"model.layers.{match.group(1)}.{_LAYER_NAMES[inner]}"] = tensor
+        elif inner in ("self_attention.query_key_value.weight", "self_attention.query_key_value.bias"):
+            if tensor.shape[0] != sum(rows):
+                raise ModelError(
+                    f"{key}: {tensor.shape[0]} rows, but the config gives heads, groups and kv_channels for "
+                    f"{sum(rows)} ({' + '.join(map(str, rows))})"
+                )
+            kind = inner.rsplit(".", 1)[1]
+            for part, name in zip(torch.split(tensor, rows), ("q_proj", "k_proj", "v_proj"), strict=True):
+                out[f"model.layers.{match.group(1)}.self_attn.{name}.{kind}"] = part
+        else:
+            raise ModelError(
+                f"{key}: a ChatGLM weight that GlmForCausalLM has no place for; refusing to guess"
+            )
+    return out
+
+
+def to_chatglm(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``GlmForCausalLM``'s weight names -> the ChatGLM layout (q, k, v fused again by rows)."""
+    top = {native: chatglm for chatglm, native in _TOP_NAMES.items()}
+    inner = {native: chatglm for chatglm, native in _LAYER_NAMES.items()}
+    out: dict[str, torch.Tensor] = {}
+    fused: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in state.items():
+        match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", key)
+        if key in top:
+            out[top[key]] = tensor
+        elif match and match.group(2) in inner:
+            out[f"transformer.encoder.layers.{match.group(1)}.{inner[match.group(2)]}"] = tensor
+        elif match and (part := re.fullmatch(r"self_attn\.([qkv])_proj\.(weight|bias)", match.group(2))):
+            target = f"transformer.encoder.layers.{match.group(1)}.self_attention.query_key_value.{part[2]}"
+            fused.setdefault(target, {})[part[1]] = tensor
+        else:
+            raise ModelError(f"{key}: a GlmForCausalLM weight that the ChatGLM layout has no place for")
+    for target, parts in fused.items():
+        if set(parts) != {"q", "k", "v"}:
+            raise ModelError(f"{target}: needs q, k and v; got {', '.join(sorted(parts))}")
+        out[target] = torch.cat([parts["q"], parts["k"], parts["v"]])
+    return out
+
+
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint in ``path``: safetensors or ``.bin`` (``weights_only``), sharded or not."""
+    from safetensors.torch import load_file
+
+    for index_name, single in (
+        ("model.safetensors.index.json", "model.safetensors"),
+        ("pytorch_model.bin.index.json", "pytorch_model.bin"),
+    ):
+        index = path / index_name
+        files = sorted(set(_read_json(index)["weight_map"].values())) if index.is_file() else [single]
+        if all((path / file).is_file() for file in files):
+            state: dict[str, torch.Tensor] = {}
+            for file in files:
+                if file.endswith(".safetensors"):
+                    state.update(load_file(path / file))
+                else:
+                    state.update(torch.load(path / file, map_location="cpu", weights_only=True))
+            return state
+    raise PathError(f"{path}: no model.safetensors, pytorch_model.bin or their index.json")
+
+
+def write_weights(state: Mapping[str, torch.Tensor], path: Path) -> None:
+    """Write ``state`` as safetensors shards of at most 5 GB, with an index when there is more than one."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    split = split_torch_state_dict_into_shards(dict(state), max_shard_size="5GB")
+    for file, keys in split.filename_to_tensors.items():
+        save_file({key: state[key].contiguous() for key in keys}, path / file, metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        (path / "model.safetensors.index.json").write_text(
+            json.dumps(index, indent=2) + "\n", encoding="utf-8"
+        )
+
+
+# --- loading -----------------------------------------------------------------------------------------------
+
+
+def model_config(name: str, *, trust_remote_code: bool = False) -> PretrainedConfig:
+    """The transformers config of ``name``: ``GlmConfig`` for the ChatGLM layout, else ``AutoConfig``'s."""
+    checkpoint = find_checkpoint(name, trust_remote_code=trust_remote_code)
+    if checkpoint.layout == CHATGLM:
+        return glm_config(checkpoint.config, f"{name}/config.json")
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+
+
+def load_model(
+    name: str, *, dtype: torch.dtype | str = "auto", trust_remote_code: bool = False, **kwargs: Any
+) -> PreTrainedModel:
+    """The causal LM at ``name``; a ChatGLM-layout checkpoint becomes ``GlmForCausalLM`` without its code.
+
+    ``kwargs`` go to ``from_pretrained`` (quantization, device map).
+    """
+    checkpoint = find_checkpoint(name, trust_remote_code=trust_remote_code)
+    if checkpoint.layout == NATIVE:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(
+            name, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs
+        )
+    from transformers import GlmForCausalLM
+
+    config = glm_config(checkpoint.config, f"{name}/config.json")
+    state = native_weights(read_weights(checkpoint.path), checkpoint.config, config, name=name)
+    return GlmForCausalLM.from_pretrained(None, config=config, state_dict=state, dtype=dtype, **kwargs)
+
+
+def native_weights(
+    state: Mapping[str, torch.Tensor], chatglm: Mapping[str, Any], config: GlmConfig, *, name: str
+) -> dict[str, torch.Tensor]:
+    """ChatGLM weights under ``GlmForCausalLM``'s names, checked name by name and shape by shape against ``config``."""
+    from transformers import GlmForCausalLM
+
+    native = to_native(state, chatglm)
+    with torch.device("meta"):
+        expected = {key: tensor.shape for key, tensor in GlmForCausalLM(config).state_dict().items()}
+    for key in sorted(expected.keys() - native.keys()):
+        raise ModelError(f"{name}: no weight for {key} (a ChatGLM checkpoint with a part missing?)")
+    for key, shape in expected.items():
+        if native[key].shape != shape:
+            raise ModelError(
+                f"{name}: {key} has shape {list(native[key].shape)}, config.json gives {list(shape)}"
+            )
+    return native
+
+
+def layout_note(name: str, *, trust_remote_code: bool = False, save_format: str = "auto") -> str | None:
+    """One line for the run, the preflight and the probe when ``name`` is in the ChatGLM layout; else None.
+
+    ``ChatGLM layout, read as GlmForCausalLM (weights renamed in memory, its code not run); saved back in
+    the ChatGLM layout; trust_remote_code is not needed for it``
+    """
+    checkpoint = find_checkpoint(name, trust_remote_code=trust_remote_code)
+    if checkpoint.layout != CHATGLM:
+        return None
+    saved = (
+        "saved as GlmForCausalLM (model.save_format = native)"
+        if save_format == NATIVE
+        else "saved back in the ChatGLM layout"
+    )
+    note = f"ChatGLM layout, read as GlmForCausalLM (weights renamed in memory, its code not run); {saved}"
+    return note + ("; trust_remote_code is not needed for it" if trust_remote_code else "")
+
+
+# --- saving ------------------------------------------------------------------------------------------------
+
+
+def save_chatglm(
+    state: Mapping[str, torch.Tensor],
+    output_dir: str | Path,
+    *,
+    source: Path | None,
+    config: PretrainedConfig | None = None,
+) -> None:
+    """Write ``GlmForCausalLM`` weights in the ChatGLM layout.
+
+    With ``source`` (the ChatGLM checkpoint the model came from) its ``config.json``, tokenizer files and
+    ``.py`` files are copied unchanged; without it ``config.json`` is written from ``config``.
+    """
+    output = Path(output_dir)
+    output.mkdir(parents=True, exist_ok=True)
+    write_weights(to_chatglm(state), output)
+    if source is None:
+        text = json.dumps(chatglm_config(config), indent=2) + "\n"
+        (output / "config.json").write_text(text, encoding="utf-8")
+        return
+    for file in sorted(source.iterdir()):
+        if file.is_file() and not _WEIGHT_FILES.fullmatch(file.name) and not file.name.startswith("."):
+            shutil.copyfile(file, output / file.name)
+
+
+def layout_saver(
+    name: str | None, save_format: str, *, trust_remote_code: bool = False
+) -> Callable[[torch.nn.Module, Path, Mapping[str, torch.Tensor] | None], None] | None:
+    """How a run writes its model when it does not save natively: ``save(model, output_dir, state_dict)``.
+
+    ``None`` when the model came in natively, or ``model.save_format = "native"``.
+    """
+    if not name or save_format == NATIVE:
+        return None
+    checkpoint = find_checkpoint(name, trust_remote_code=trust_remote_code)
+    if checkpoint.layout != CHATGLM:
+        return None
+
+    def save(model: torch.nn.Module, output_dir: Path, state: Mapping[str, torch.Tensor] | None) -> None:
+        save_chatglm(model.state_dict() if state is None else state, output_dir, source=checkpoint.path)
+
+    return save
+
+
+def convert(source: str, output_dir: str | Path, *, to: str | None = None, dtype: str = "auto") -> str:
+    """Convert the checkpoint ``source`` to the other layout (or ``to``); returns the layout written.
+
+    ChatGLM -> native writes ``GlmForCausalLM`` with ``tokenizer.json``; native -> ChatGLM writes the
+    weights and ``config.json`` (the original when the native copy records it). Tensors are renamed and
+    split or joined, never changed, unless ``dtype`` asks for a cast.
+    """
+    from longalign.artifacts import stage_output
+
+    checkpoint = find_checkpoint(source)
+    if checkpoint.path is None or checkpoint.config is None:
+        raise PathError(
+            f"{source}: no config.json there (a checkpoint directory, or a Hub id in the local cache)"
+        )
+    to = to or (NATIVE if checkpoint.layout == CHATGLM else CHATGLM)
+    if to == checkpoint.layout:
+        raise ConfigError(f"--to {to}: {source} is in the {to} layout already")
+    state = read_weights(checkpoint.path)
+    if dtype != "auto":
+        state = {key: _cast(tensor, getattr(torch, dtype)) for key, tensor in state.items()}
+    with stage_output(output_dir, stage="convert", inputs=[checkpoint.path]) as staging:
+        if to == NATIVE:
+            from transformers import GlmForCausalLM
+
+            config = glm_config(checkpoint.config, f"{source}/config.json")
+            if dtype != "auto":
+                config.dtype = dtype
+            model = GlmForCausalLM.from_pretrained(
+                None, config=config, state_dict=native_weights(state, checkpoint.config, config, name=source)
+            )
+            model.save_pretrained(staging)
+            if (checkpoint.path / RANK_FILE).is_file():
+                rank_file_tokenizer(checkpoint.path).save_pretrained(staging)
+        else:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(checkpoint.path)
+            save_chatglm(state, staging, source=None, config=config)
+            if dtype != "auto":
+                _set_dtype(staging / "config.json", dtype)
+    return to
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+
+def _set_dtype(path: Path, dtype: str) -> None:
+    config = _read_json(path)
+    config["torch_dtype"] = dtype
+    path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
+# --- adapters ----------------------------------------------------------------------------------------------
+
+
+def module_to_chatglm(name: str) -> str:
+    """A ``GlmForCausalLM`` module's name in the ChatGLM layout (``model.norm`` -> ``transformer.encoder.final_layernorm``)."""
+    top = {native[:-7]: chatglm[:-7] for chatglm, native in _TOP_NAMES.items()}
+    inner = {native[:-7]: chatglm[:-7] for chatglm, native in _LAYER_NAMES.items()}
+    match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+    if name in top:
+        return top[name]
+    if match and match[2] in inner:
+        return f"transformer.encoder.layers.{match[1]}.{inner[match[2]]}"
+    raise ModelError(f"{name}: a GlmForCausalLM module with no single counterpart in the ChatGLM layout")
+
+
+def module_to_native(name: str) -> str:
+    """A ChatGLM-layout module's name in ``GlmForCausalLM`` (the inverse of :func:`module_to_chatglm`)."""
+    top = {chatglm[:-7]: native[:-7] for chatglm, native in _TOP_NAMES.items()}
+    inner = {chatglm[:-7]: native[:-7] for chatglm, native in _LAYER_NAMES.items()}
+    match = _LAYER.fullmatch(name)
+    if name in top:
+        return top[name]
+    if match and match[2] in inner:
+        return f"model.layers.{match[1]}.{inner[match[2]]}"
+    raise ModelError(f"{name}: a ChatGLM module with no single counterpart in GlmForCausalLM")
+
+
+PEFT_PREFIX = "base_model.model."  # peft's prefix of every saved adapter tensor
+_QKV_MODULE = "self_attention.query_key_value"
+_ADAPTER_TARGETS = {
+    "q_proj": "query_key_value",
+    "k_proj": "query_key_value",
+    "v_proj": "query_key_value",
+    "o_proj": "dense",
+    "gate_up_proj": "dense_h_to_4h",
+    "down_proj": "dense_4h_to_h",
+}
+_LORA = re.compile(r"(.+)\.lora_([AB])\.weight")
+
+
+def _check_plain_lora(settings: Mapping[str, Any], *, patterns: bool) -> None:
+    for key in (
+        "use_dora",
+        "use_rslora",
+        "lora_bias",
+        "fan_in_fan_out",
+        "layers_to_transform",
+        "trainable_token_indices",
+    ):
+        if settings.get(key):
+            raise ModelError(
+                f"adapter_config.json: {key} = {json.dumps(settings[key])}: only plain LoRA adapters change layout"
+            )
+    for key in ("rank_pattern", "alpha_pattern") if patterns else ():
+        if settings.get(key):
+            raise ModelError(f"adapter_config.json: {key} is set: only adapters with one rank change layout")
+    if not isinstance(settings.get("target_modules"), list):
+        raise ModelError(
+            "adapter_config.json: target_modules must be a list of module names to change layout"
+        )
+
+
+def adapter_to_chatglm(
+    state: Mapping[str, torch.Tensor], settings: Mapping[str, Any], chatglm: Mapping[str, Any]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A peft LoRA adapter of ``GlmForCausalLM`` -> the same adapter for the ChatGLM layout (tensors, config).
+
+    The q, k and v adapters of a layer become one adapter on ``query_key_value`` that makes the same
+    update ``B A x alpha / r``: their A matrices stacked, their B matrices on the block diagonal, rank and
+    alpha times the number of adapted projections (``rank_pattern``, ``alpha_pattern``)::
+
+        q: A_q [r, H], B_q [h*kv, r]               query_key_value: A [3r, H] = [A_q; A_k; A_v]
+        k: A_k [r, H], B_k [g*kv, r]      ->                         B [(h+2g)*kv, 3r] = diag(B_q, B_k, B_v)
+        v: A_v [r, H], B_v [g*kv, r]                                 rank 3r, alpha 3 x alpha
+    """
+    _check_plain_lora(settings, patterns=True)
+    rank, alpha = settings["r"], settings["lora_alpha"]
+    rows = dict(zip("qkv", _qkv_rows(chatglm), strict=True))
+    starts = {"q": 0, "k": rows["q"], "v": rows["q"] + rows["k"]}
+    out: dict[str, torch.Tensor] = {}
+    whole: dict[str, torch.Tensor] = {}  # modules trained whole (modules_to_save)
+    fused: dict[str, dict[str, dict[str, torch.Tensor]]] = {}  # layer -> projection -> A/B
+    for key, tensor in state.items():
+        inner = key.removeprefix(PEFT_PREFIX)
+        lora = _LORA.fullmatch(inner)
+        qkv = lora and re.fullmatch(r"model\.layers\.(\d+)\.self_attn\.([qkv])_proj", lora[1])
+        if qkv:
+            fused.setdefault(qkv[1], {}).setdefault(qkv[2], {})[lora[2]] = tensor
+        elif lora:
+            out[f"{PEFT_PREFIX}{module_to_chatglm(lora[1])}.lora_{lora[2]}.weight"] = tensor
+        else:
+            whole[inner] = tensor
+    out |= {PEFT_PREFIX + key: tensor for key, tensor in to_chatglm(whole).items()}
+    adapted = [part for part in "qkv" if f"{part}_proj" in settings["target_modules"]]
+    for layer, parts in fused.items():
+        a = torch.cat([parts[part]["A"] for part in adapted])
+        b = a.new_zeros(sum(rows.values()), len(adapted) * rank)
+        for i, part in enumerate(adapted):
+            b[starts[part] : starts[part] + rows[part], i * rank : (i + 1) * rank] = parts[part]["B"]
+        prefix = f"{PEFT_PREFIX}transformer.encoder.layers.{layer}.{_QKV_MODULE}"
+        out |= {f"{prefix}.lora_A.weight": a, f"{prefix}.lora_B.weight": b}
+    for target in settings["target_modules"]:
+        if target not in _ADAPTER_TARGETS:
+            raise ModelError(
+                f"adapter_config.json: target module {target!r} has no counterpart in the ChatGLM layout"
+            )
+    converted = dict(settings)
+    converted["target_modules"] = sorted({_ADAPTER_TARGETS[target] for target in settings["target_modules"]})
+    converted["modules_to_save"] = [
+        module_to_chatglm(name) for name in settings.get("modules_to_save") or []
+    ] or None
+    if adapted:
+        converted["rank_pattern"] = {"query_key_value": rank * len(adapted)}
+        converted["alpha_pattern"] = {"query_key_value": alpha * len(adapted)}
+    return out, converted
+
+
+def adapter_to_native(
+    state: Mapping[str, torch.Tensor], settings: Mapping[str, Any], chatglm: Mapping[str, Any]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A peft LoRA adapter for the ChatGLM layout -> the same adapter for ``GlmForCausalLM``.
+
+    The ``query_key_value`` adapter (rank R) becomes three of rank R on q, k and v that share its A and
+    take their rows of its B: ``B_q A`` is the q rows of ``B A``, exactly.
+    """
+    _check_plain_lora(settings, patterns=False)
+    rank = settings.get("rank_pattern", {}).get("query_key_value", settings["r"])
+    alpha = settings.get("alpha_pattern", {}).get("query_key_value", settings["lora_alpha"])
+    native_targets = {
+        value: key for key, value in _ADAPTER_TARGETS.items() if key not in ("k_proj", "v_proj")
+    }
+    out: dict[str, torch.Tensor] = {}
+    whole: dict[str, torch.Tensor] = {}
+    for key, tensor in state.items():
+        inner = key.removeprefix(PEFT_PREFIX)
+        lora = _LORA.fullmatch(inner)
+        layer = lora and _LAYER.fullmatch(lora[1])
+        if layer and layer[2] == _QKV_MODULE:
+            parts = torch.split(tensor, _qkv_rows(chatglm)) if lora[2] == "B" else (tensor, tensor, tensor)
+            for part, value in zip("qkv", parts, strict=True):
+                out[f"{PEFT_PREFIX}model.layers.{layer[1]}.self_attn.{part}_proj.lora_{lora[2]}.weight"] = (
+                    value.clone()
+                )
+        elif lora:
+            out[f"{PEFT_PREFIX}{module_to_native(lora[1])}.lora_{lora[2]}.weight"] = tensor
+        else:
+            whole[inner] = tensor
+    out |= {PEFT_PREFIX + key: tensor for key, tensor in to_native(whole, chatglm).items()}
+    for target in settings["target_modules"]:
+        if target not in native_targets:
+            raise ModelError(
+                f"adapter_config.json: target module {target!r} has no counterpart in GlmForCausalLM"
+            )
+    converted = dict(settings)
+    targets = [native_targets[target] for target in settings["target_modules"]]
+    if "q_proj" in targets:
+        targets += ["k_proj", "v_proj"]
+        converted["rank_pattern"] = dict.fromkeys(("q_proj", "k_proj", "v_proj"), rank)
+        converted["alpha_pattern"] = dict.fromkeys(("q_proj", "k_proj", "v_proj"), alpha)
+    converted["target_modules"] = sorted(targets)
+    converted["modules_to_save"] = [
+        module_to_native(name) for name in settings.get("modules_to_save") or []
+    ] or None
+    return out, converted
+
+
+def is_chatglm_adapter(path: Path) -> bool:
+    """Whether the peft adapter in ``path`` is written for the ChatGLM layout."""
+    from safetensors import safe_open
+
+    with safe_open(path / "adapter_model.safetensors", "pt") as file:
+        return any(key.startswith(PEFT_PREFIX + "transformer.") for key in file.keys())
+
+
+def rewrite_adapter(path: Path, chatglm: Mapping[str, Any], *, to: str) -> None:
+    """Rewrite the peft adapter in ``path`` (``adapter_model.safetensors``, ``adapter_config.json``) for layout ``to``."""
+    from safetensors.torch import load_file, save_file
+
+    convert_adapter = adapter_to_chatglm if to == CHATGLM else adapter_to_native
+    state, settings = convert_adapter(
+        load_file(path / "adapter_model.safetensors"), _read_json(path / "adapter_config.json"), chatglm
+    )
+    save_file(
+        {key: value.contiguous() for key, value in state.items()},
+        path / "adapter_model.safetensors",
+        metadata={"format": "pt"},
+    )
+    (path / "adapter_config.json").write_text(
+        json.dumps(settings, indent=2, sort_keys=True) + "\n", encoding="utf-8"
+    )
+
+
+def copy_tokenizer_files(source: Path, output_dir: Path) -> None:
+    """Copy the ChatGLM checkpoint's tokenizer files (rank file, its config, its remote class) unchanged."""
+    for file in sorted(source.iterdir()):
+        if file.is_file() and (file.name.startswith("tokeniz") or file.name == "special_tokens_map.json"):
+            shutil.copyfile(file, output_dir / file.name)
+
+
+# --- the tokenizer -----------------------------------------------------------------------------------------
+
+
+def read_ranks(path: Path) -> dict[bytes, int]:
+    """A tiktoken rank file: one ``base64-token rank`` per line -> ``{token bytes: rank}``."""
+    ranks: dict[bytes, int] = {}
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise ModelError(
+            f"{path}: not a tiktoken rank file (binary: a SentencePiece model, as ChatGLM2/3 ship, is not read)"
+        ) from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except ValueError:
+            raise ModelError(
+                f"{path} line {number}: expected 'base64-token rank', got {line[:60]!r}"
+            ) from None
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise ModelError(f"{path}: the ranks are not 0..{len(ranks) - 1}, each once")
+    return ranks
+
+
+def byte_alphabet() -> dict[int, str]:
+    """Byte-level BPE's printable stand-in for each byte: printable Latin-1 bytes are themselves, the other
+    68 become the characters from U+0100 on, in byte order (``b" "`` -> ``"Ġ"``, ``b"\\n"`` -> ``"Ċ"``)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    others = [byte for byte in range(256) if byte not in printable]
+    return {
+        **{byte: chr(byte) for byte in printable},
+        **{byte: chr(256 + i) for i, byte in enumerate(others)},
+    }
+
+
+def bpe_from_ranks(ranks: Mapping[bytes, int]) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """The vocabulary and merges of a byte-level BPE that splits text as tiktoken does with ``ranks``.
+
+    tiktoken joins, again and again, the adjacent pair whose concatenation has the lowest rank. So every
+    split of a token into two tokens is a merge, ranked by the token it makes::
+
+        ranks  {a: 0, b: 1, c: 2, ab: 3, abc: 4}  ->  merges  (a, b) for ab;  (ab, c) for abc
+
+    Both pick the lowest rank first and the leftmost pair among equals; they could differ only where two
+    different splits of one token overlap in a word (``x+y == y+z``), which the tests have not met.
+    """
+    alphabet = byte_alphabet()
+
+    def text(token: bytes) -> str:
+        return "".join(alphabet[byte] for byte in token)
+
+    vocab = {text(token): rank for token, rank in ranks.items()}
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in ranks and right in ranks:
+                merges.append((rank, ranks[left], text(left), text(right)))
+    merges.sort()
+    return vocab, [(left, right) for _, _, left, right in merges]
+
+
+def is_rank_file_tokenizer(path: Path) -> bool:
+    """Whether ``path`` holds a ChatGLM tokenizer (``tokenizer.model`` with a remote ChatGLM tokenizer class)."""
+    config_file = path / "tokenizer_config.json"
+    if not (path / RANK_FILE).is_file() or not config_file.is_file():
+        return False
+    config = _read_json(config_file)
+    remote = json.dumps(config.get("auto_map", {}))
+    return str(config.get("tokenizer_class", "")).startswith("ChatGLM") or "tokenization_chatglm" in remote
+
+
+def rank_file_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
+    """GLM-4's tokenizer from its files alone: ``tokenizer.model`` ranks, 14 special tokens, the chat template.
+
+    A fast byte-level BPE (``PreTrainedTokenizerFast``) whose ids equal tiktoken's on the same text; the
+    special tokens take the ids after the ranks (``<|endoftext|>`` = the number of ranks), and eos and pad
+    are ``tokenizer_config.json``'s, ``<|endoftext|>`` by default.
+    """
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    path = Path(path)
+    vocab, merges = bpe_from_ranks(read_ranks(path / RANK_FILE))
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=True))
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(GLM4_SPLIT_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(
+        [AddedToken(token, special=True, normalized=False) for token in GLM4_SPECIAL_TOKENS]
+    )
+    config = _read_json(path / "tokenizer_config.json")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: the default one
+        template = next((entry["template"] for entry in template if entry.get("name") == "default"), None)
+    special = {
+        key: config[key] if isinstance(config.get(key), str) else GLM4_SPECIAL_TOKENS[0]
+        for key in ("eos_token", "pad_token")
+    }
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        chat_template=template,
+        clean_up_tokenization_spaces=False,
+        model_max_length=config.get("model_max_length", 131072),
+        **special,
+    )
+
+
+def open_tokenizer(name: str, *, trust_remote_code: bool = False) -> PreTrainedTokenizerFast | None:
+    """The ChatGLM tokenizer at ``name`` built from its rank file, or None when ``name`` is not one.
+
+    Refuses first a checkpoint whose remote code longalign cannot map (:func:`check_remote_code`).
+    """
+    path = local_dir(name)
+    if path is None:
+        return None
+    find_checkpoint(name, trust_remote_code=trust_remote_code)
+    return rank_file_tokenizer(path) if is_rank_file_tokenizer(path) else None

@@ -1,0 +1,557 @@
+"""``longalign data``: documents cut to a token range, self-instruct and AgentWrite samples against a local
+OpenAI-compatible stub, the call cache and resume, report counts under 500s and 429s, errors before any call."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, TOKENIZER, run_process, train_demo
+from openai_stub import OpenAIStub
+
+from longalign.cli import main
+from longalign.datagen import agentwrite, self_instruct
+from longalign.datagen.agentwrite import Step, parse_plan
+from longalign.datagen.calls import CallCache, cache_path
+from longalign.datagen.documents import Fitted, Skipped, fit_document, read_documents
+from longalign.datagen.prompts import render
+from longalign.errors import ConfigError, InputError, PathError
+from longalign.serving import ChatClient, ServerError, ServerSettings
+
+KEY_ENV = "LONGALIGN_TEST_DATA_KEY"
+KEY = "sk-test-data-5e1b77"
+
+
+@pytest.fixture(autouse=True)
+def key_in_env(monkeypatch):
+    monkeypatch.setenv(KEY_ENV, KEY)
+
+
+def scripted(body: dict) -> str:
+    """A deterministic reply to any request the generators send, shaped like a real model's."""
+    prompt = body["messages"][-1]["content"]
+    tag = hashlib.sha256(json.dumps(body["messages"]).encode()).hexdigest()[:8]
+    if "plan a long piece of writing" in prompt:
+        if "epic" in prompt:
+            return "\n".join(f"{n}. [100 words] Part {n}." for n in range(1, 31))
+        if "haiku" in prompt:
+            return "Sure! First I will think about the seasons, then write."
+        return (
+            "Here is the plan.\n1. [40 words] The setting.\n2. [60 words] The turn.\n3. [30 words] The close."
+        )
+    if "Now write paragraph" in prompt:
+        step = prompt.split("Now write paragraph ")[1].split(" ")[0]
+        return f"Paragraph {step} ({tag}) " + " ".join(["word"] * 12) + "."
+    if "write one instruction" in prompt:
+        return f"Which two sections of the report ({tag}) disagree about the budget, and why?"
+    if "Write the user's next message" in prompt:
+        return f"And how does that ({tag}) change the conclusion?"
+    return f"Answer {tag}: " + " ".join(f"point{i}" for i in range(40)) + "."
+
+
+def client_for(server: OpenAIStub, sleeps: list[float] | None = None, **settings) -> ChatClient:
+    """A client of ``server`` whose retry waits are recorded instead of slept."""
+    return ChatClient(
+        ServerSettings(base_url=server.base_url, model=server.model, api_key_env=KEY_ENV, **settings),
+        sleep=(sleeps if sleeps is not None else []).append,
+    )
+
+
+def paragraphs(doc: int, count: int, words: int = 30) -> str:
+    """``count`` paragraphs of about ``words`` words each, separated by blank lines."""
+    return "\n\n".join(
+        f"Section {doc}.{p}: " + " ".join(f"term{(doc * 7 + p * 3 + w) % 50}" for w in range(words))
+        for p in range(count)
+    )
+
+
+@pytest.fixture
+def docs(tmp_path) -> Path:
+    """Three documents: one of 6 paragraphs (~700 tokens), one long one that must be cut, one too short."""
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    (folder / "a.md").write_text(paragraphs(1, 6))
+    (folder / "b.txt").write_text(paragraphs(2, 60))
+    (folder / "c.txt").write_text("Too short to ask anything about.")
+    (folder / "ignored.pdf").write_text("not read")
+    return folder
+
+
+def count(tokenizer, text: str) -> int:
+    return len(tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+def run_self_instruct(docs, out, server, tokenizer, sleeps=None, concurrency=4, **options):
+    options = {"min_tokens": 200, "max_tokens": 900, "per_doc": 2, **options}
+    client = client_for(server, sleeps, concurrency=concurrency)
+    return self_instruct.generate(docs, out, tokenizer=tokenizer, client=client, **options)
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# --- documents and prompts ------------------------------------------------------------------------------
+
+
+def test_a_long_document_is_cut_after_its_last_paragraph_that_fits(sample_tokenizer):
+    text = paragraphs(3, 40)
+    fit = fit_document(text, lambda t: count(sample_tokenizer, t), min_tokens=100, max_tokens=500)
+    assert isinstance(fit, Fitted) and fit.cut
+    assert fit.tokens == count(sample_tokenizer, fit.text) <= 500
+    kept = fit.text.split("\n\n")
+    assert kept == text.split("\n\n")[: len(kept)]  # whole paragraphs, from the start
+    one_more = "\n\n".join(text.split("\n\n")[: len(kept) + 1])
+    assert count(sample_tokenizer, one_more) > 500  # the next paragraph would not have fitted
+
+
+def test_documents_outside_the_range_are_skipped_with_their_reason():
+    words = lambda t: len(t.split())  # noqa: E731
+    assert fit_document("a b c", words, min_tokens=1, max_tokens=10) == Fitted("a b c", 3, cut=False)
+    assert fit_document("a b\n\nc d\n \ne f", words, min_tokens=1, max_tokens=4) == Fitted(
+        "a b\n\nc d", 4, True
+    )
+    assert fit_document(" \n\n ", words, min_tokens=0, max_tokens=4) == Skipped("empty")
+    assert fit_document("a b", words, min_tokens=3, max_tokens=4) == Skipped("too_short")
+    assert fit_document("a b c d e f", words, min_tokens=1, max_tokens=4) == Skipped("no_boundary_in_range")
+    assert fit_document("a b\n\nc d e f g", words, min_tokens=3, max_tokens=4) == Skipped(
+        "no_boundary_in_range"
+    )
+
+
+def test_documents_from_files_and_jsonl_rows(tmp_path, docs):
+    (docs / "more.jsonl").write_text('{"text": "first row"}\n\n{"text": "second row", "id": 7}\n')
+    found = read_documents(docs)
+    assert [Path(d.name).name for d in found] == ["a.md", "b.txt", "c.txt", "more.jsonl:1", "more.jsonl:3"]
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"body": "no text"}\n')
+    with pytest.raises(InputError, match=r"bad.jsonl: line 2: expected an object with a 'text' string"):
+        read_documents(tmp_path / "bad.jsonl")
+
+
+def test_a_value_is_never_searched_for_slots():
+    assert render("{document}\n\n{instruction} {other}", document="{instruction}", instruction="Q?") == (
+        "{instruction}\n\nQ? {other}"
+    )
+
+
+def test_plans_are_parsed_only_when_numbered_in_order():
+    assert parse_plan("Plan:\n1. [200 words] Open.\n2) [1 word] Argue.\n") == [
+        Step(1, 200, "Open."),
+        Step(2, 1, "Argue."),
+    ]
+    assert parse_plan("1. [200 words] Open.\n3. [300 words] Skip.") is None
+    assert parse_plan("First the opening, then the argument.") is None
+
+
+# --- self-instruct ---------------------------------------------------------------------------------------
+
+
+def test_self_instruct_samples_and_report(tmp_path, docs, sample_tokenizer):
+    out = tmp_path / "gen"
+    with OpenAIStub(scripted, key=KEY) as server:
+        report = run_self_instruct(docs, out, server, sample_tokenizer, turns=2)
+        bodies = server.requests
+    samples = lines(out / "data.jsonl")
+    assert len(samples) == 4  # 2 documents in range x 2 per document; c.txt is too short
+    assert report["documents"] == {"read": 3, "used": 2, "cut": 1, "skipped": {"too_short": 1}}
+    assert report["samples"] == {"planned": 4, "made": 4, "dropped": {}}
+    assert report["calls"] == {"made": 16, "succeeded": 16, "failed": 0, "retried": 0, "from_cache": 0}
+    assert report["tokens"]["prompt"] == sum(
+        len(m["content"].split()) for body in bodies for m in body["messages"]
+    )  # the stub counts words
+    assert len(bodies) == 16  # two turns of instruction + answer per sample
+    for sample in samples:
+        assert [m["role"] for m in sample["messages"]] == ["user", "assistant"] * 2
+        meta = sample["meta"]
+        assert meta["model"] == "stub-model" and meta["task"] == meta["turn_tasks"][0]
+        document = (docs / Path(meta["document"]).name).read_text()
+        first = sample["messages"][0]["content"]
+        kept, instruction = first.rsplit("\n\n", 1)
+        assert document.startswith(kept) and instruction.startswith("Which two sections")
+        assert count(sample_tokenizer, kept) == meta["document_tokens"] <= 900
+        assert meta["document_cut"] == (kept != document)
+        assert sample["messages"][2]["content"].startswith("And how does that")
+    assert [s["meta"]["sample"] for s in samples] == [0, 1, 0, 1]  # in document order
+    assert sum(report["samples_by_task"].values()) == 4
+    assert not cache_path(out).exists()
+    # The answer call of turn 2 sends the whole conversation the sample keeps
+    assert samples[0]["messages"][:3] in [body["messages"] for body in bodies]
+
+
+def test_the_same_file_whatever_the_concurrency(tmp_path, docs, sample_tokenizer):
+    with OpenAIStub(scripted, key=KEY) as server:
+        run_self_instruct(docs, tmp_path / "one", server, sample_tokenizer, concurrency=1)
+        run_self_instruct(docs, tmp_path / "four", server, sample_tokenizer, concurrency=4)
+    assert (tmp_path / "one" / "data.jsonl").read_bytes() == (tmp_path / "four" / "data.jsonl").read_bytes()
+
+
+def test_500_every_third_call_ends_with_every_sample_and_the_counts(tmp_path, docs, sample_tokenizer):
+    sleeps: list[float] = []
+    with OpenAIStub(scripted, key=KEY, fail_every=3) as server:
+        report = run_self_instruct(docs, tmp_path / "gen", server, sample_tokenizer, sleeps)
+        received = server.calls
+    # 8 requests + r retries = T calls, of which calls 3, 6, 9 failed: T = 11, r = 3, in any order
+    assert received == 11
+    assert report["samples"]["made"] == 4
+    assert report["calls"] == {"made": 8, "succeeded": 8, "failed": 0, "retried": 3, "from_cache": 0}
+    assert len(sleeps) == 3
+
+
+def test_429_first_ends_with_every_sample_and_the_counts(tmp_path, docs, sample_tokenizer):
+    with OpenAIStub(scripted, key=KEY, fail_first_with_429=3) as server:
+        report = run_self_instruct(docs, tmp_path / "gen", server, sample_tokenizer, concurrency=1)
+        received = server.calls
+    assert received == 11
+    assert report["samples"]["made"] == 4
+    assert report["calls"] == {"made": 8, "succeeded": 8, "failed": 0, "retried": 3, "from_cache": 0}
+
+
+def test_calls_that_keep_failing_drop_their_samples_counted(tmp_path, docs, sample_tokenizer):
+    with OpenAIStub(scripted, key=KEY, fail_every=1) as server:
+        client = client_for(server, max_retries=1)
+        report = self_instruct.generate(
+            docs, tmp_path / "gen", tokenizer=sample_tokenizer, client=client, min_tokens=200, max_tokens=900
+        )
+    assert report["samples"] == {"planned": 2, "made": 0, "dropped": {"call_failed": 2}}
+    assert report["calls"]["failed"] == 2
+    assert report["dropped_samples"][0]["detail"] == (
+        "turn 1 instruction: 500 from the server: The server had an error (tried 2 times)"
+    )
+    assert (tmp_path / "gen" / "data.jsonl").read_text() == ""
+
+
+def test_a_stopped_run_restarted_asks_nothing_twice_and_writes_the_same_file(
+    tmp_path, docs, sample_tokenizer
+):
+    with OpenAIStub(scripted, key=KEY) as server:
+        run_self_instruct(docs, tmp_path / "whole", server, sample_tokenizer, turns=2)
+        total = server.calls
+    out = tmp_path / "gen"
+    answered = []
+
+    def revoke_after_five(body):  # the key is revoked with the fifth answer: the sixth call is a 401
+        answered.append(body)
+        if len(answered) == 5:
+            server.key = "sk-revoked"
+        return scripted(body)
+
+    with OpenAIStub(revoke_after_five, key=KEY) as server:
+        with pytest.raises(ServerError, match="401 from the server"):
+            run_self_instruct(docs, out, server, sample_tokenizer, turns=2, concurrency=1)
+    assert not out.exists()
+    assert len(CallCache(cache_path(out))) == 5
+    with OpenAIStub(scripted, key=KEY) as server:
+        report = run_self_instruct(docs, out, server, sample_tokenizer, turns=2)
+        again = server.requests
+    assert len(again) == total - 5
+    assert not {json.dumps(b, sort_keys=True) for b in answered} & {
+        json.dumps(b, sort_keys=True) for b in again
+    }
+    assert report["calls"]["from_cache"] == 5
+    assert (out / "data.jsonl").read_bytes() == (tmp_path / "whole" / "data.jsonl").read_bytes()
+    assert not cache_path(out).exists()
+
+
+# --- agentwrite ------------------------------------------------------------------------------------------
+
+
+def writing_prompts(tmp_path) -> Path:
+    rows = [
+        {"prompt": "Write a travel story about a night train.", "length": 130},
+        {"prompt": "Write an epic about the founding of a city."},
+        {"prompt": "Write a haiku sequence about rain.", "length": 50},
+        {"prompt": "Write a letter to a future reader."},
+    ]
+    path = tmp_path / "writing.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_agentwrite_plans_then_writes_each_paragraph_given_the_text_so_far(tmp_path):
+    out = tmp_path / "write"
+    with OpenAIStub(scripted, key=KEY) as server:
+        report = agentwrite.generate(writing_prompts(tmp_path), out, client=client_for(server), max_steps=20)
+        bodies = server.requests
+    samples = lines(out / "data.jsonl")
+    assert [s["meta"]["source"].rsplit(":", 1)[1] for s in samples] == ["1", "4"]
+    assert report["samples"] == {
+        "planned": 4,
+        "made": 2,
+        "dropped": {"plan_too_many_steps": 1, "plan_unparsed": 1},
+    }
+    assert [(d["source"].rsplit(":", 1)[1], d["detail"]) for d in report["dropped_samples"]] == [
+        ("2", "30 steps, at most 20 (--max-steps)"),
+        ("3", "no numbered '1. [N words] ...' steps in the plan: 'Sure! First I will think about the seasons, then write.'"),
+    ]  # fmt: skip
+    assert report["calls"]["made"] == len(bodies) == 4 + 2 * 3  # four plans, three paragraphs for two of them
+    story = samples[0]
+    assert story["messages"][0] == {"role": "user", "content": "Write a travel story about a night train."}
+    written = story["messages"][1]["content"].split("\n\n")
+    assert [p.split(" ")[1] for p in written] == ["1", "2", "3"]
+    assert story["meta"] | {"words": None} == {
+        "source": f"{tmp_path / 'writing.jsonl'}:1",
+        "task": "agentwrite",
+        "requested_length": 130,
+        "plan_steps": 3,
+        "planned_words": 130,
+        "words": None,
+        "model": "stub-model",
+    }
+    asks = [b["messages"][0]["content"] for b in bodies if "night train" in b["messages"][0]["content"]]
+    assert "about 130 words long" in asks[0]  # the plan, asked first
+    third = next(ask for ask in asks if "Now write paragraph 3" in ask)
+    assert f"<written_so_far>\n{written[0]}\n\n{written[1]}\n</written_so_far>" in third
+
+
+def test_agentwrite_500_every_third_call_ends_with_every_sample_and_the_counts(tmp_path):
+    prompts = tmp_path / "writing.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Write story {i}."}) + "\n" for i in range(3)))
+    with OpenAIStub(scripted, key=KEY, fail_every=3) as server:
+        report = agentwrite.generate(prompts, tmp_path / "write", client=client_for(server))
+        received = server.calls
+    # 3 plans + 9 paragraphs = 12 requests; T = 12 + T // 3 gives T = 17 (calls 3, 6, ..., 15 failed)
+    assert received == 17
+    assert report["samples"] == {"planned": 3, "made": 3, "dropped": {}}
+    assert report["calls"] == {"made": 12, "succeeded": 12, "failed": 0, "retried": 5, "from_cache": 0}
+
+
+def test_bad_prompt_rows_are_refused_naming_the_line_before_any_call(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    with OpenAIStub(scripted, key=KEY) as server:
+        for text, message in (
+            ('{"prompt": "ok"}\n{"prompt": ""}\n', "bad.jsonl: line 2: expected an object with a non-empty 'prompt'"),
+            ('{"prompt": "ok", "length": "long"}\n', "bad.jsonl: line 1: 'length' must be a positive number of words"),
+            ("\n\n", "bad.jsonl: no prompts"),
+        ):  # fmt: skip
+            bad.write_text(text)
+            with pytest.raises(InputError, match=message):
+                agentwrite.generate(bad, tmp_path / "out", client=client_for(server))
+        with pytest.raises(PathError, match="missing.jsonl: prompts file not found"):
+            agentwrite.generate(tmp_path / "missing.jsonl", tmp_path / "out", client=client_for(server))
+        assert server.calls == 0
+
+
+# --- bad input, errors, the key ------------------------------------------------------------------------
+
+
+def test_bad_input_is_refused_before_any_call(tmp_path, docs, sample_tokenizer):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()
+    with OpenAIStub(scripted, key=KEY) as server:
+        cases = [
+            (dict(docs=empty), InputError, "empty: no documents"),
+            (dict(min_tokens=8000, max_tokens=9000), InputError, r"no document within --min-tokens 8000 .. --max-tokens 9000 \(3 read: 3 too_short\)"),
+            (dict(min_tokens=900, max_tokens=800), ConfigError, "--min-tokens 900 > --max-tokens 800"),
+            (dict(min_tokens=0, max_tokens=20), ConfigError, "--max-tokens 20: cannot hold the prompt"),
+            (dict(tasks="summary,poetry"), ConfigError, "--tasks: unknown task type.s. poetry; known: summary, single_hop"),
+            (dict(prompts_dir=tmp_path / "nowhere"), PathError, "nowhere: not a directory of prompt files"),
+        ]  # fmt: skip
+        for options, error, message in cases:
+            options = {"docs": docs, **options}
+            with pytest.raises(error, match=message):
+                run_self_instruct(options.pop("docs"), tmp_path / "out", server, sample_tokenizer, **options)
+        (prompts / "instructions.txt").write_text("{document}")
+        with pytest.raises(ConfigError, match="instructions.txt: not a prompt of this command"):
+            run_self_instruct(docs, tmp_path / "out", server, sample_tokenizer, prompts_dir=prompts)
+        (prompts / "instructions.txt").unlink()
+        (prompts / "instruction.txt").write_text("Ask about {document}.")
+        with pytest.raises(
+            ConfigError, match=r"instruction.txt: the prompt lacks \{task\}, \{task_description\}"
+        ):
+            run_self_instruct(docs, tmp_path / "out", server, sample_tokenizer, prompts_dir=prompts)
+        with pytest.raises(ConfigError, match="the output is the input"):
+            run_self_instruct(docs, docs, server, sample_tokenizer)
+        assert server.calls == 0
+    assert not (tmp_path / "out").exists()
+
+
+def test_prompt_files_replace_the_shipped_ones(tmp_path, docs, sample_tokenizer):
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()
+    (prompts / "tasks.txt").write_text("timeline: the events of the document in order\n")
+    (prompts / "user_turn.txt").write_text("Read this:\n{document}\n---\n{instruction}\n")
+    with OpenAIStub(scripted, key=KEY) as server:
+        report = run_self_instruct(
+            docs, tmp_path / "gen", server, sample_tokenizer, prompts_dir=prompts, per_doc=1
+        )
+        asks = [b["messages"][0]["content"] for b in server.requests]
+    assert report["samples_by_task"] == {"timeline": 2}
+    assert any("type: timeline (the events of the document in order)" in ask for ask in asks)
+    first = lines(tmp_path / "gen" / "data.jsonl")[0]["messages"][0]["content"]
+    assert first.startswith("Read this:\nSection 1.0") and "\n---\nWhich two sections" in first
+
+
+def cli_args(docs: Path, out: Path, base_url: str, *extra: str) -> list[str]:
+    return [
+        "data", "self-instruct", "--docs", str(docs), "--tokenizer", str(TOKENIZER), "--min-tokens", "200",
+        "--max-tokens", "900", "--output", str(out), "--base-url", base_url, "--served-model", "stub-model",
+        "--api-key-env", KEY_ENV, *extra,
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("task", ["self-instruct", "agentwrite"])
+def test_each_task_has_help(task, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["data", task, "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: longalign data {task}")
+    assert all(
+        flag in out for flag in ("--output", "--base-url", "--served-model", "--concurrency", "--seed")
+    )
+
+
+def test_an_unreachable_server_is_one_line(tmp_path, docs, capsys):
+    with socket.socket() as sock:  # a port that was free a moment ago and has no listener now
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/v1"
+    assert main(cli_args(docs, tmp_path / "gen", url, "--max-retries", "0")) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith(f"longalign data: error: {url}: cannot reach the server (")
+    assert err.endswith("; tried 1 times)")
+    assert not (tmp_path / "gen").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["docs"]  # no staging left, no cache: nothing answered
+
+
+def test_the_key_is_in_no_file(tmp_path, docs, capsys):
+    with OpenAIStub(scripted, key=KEY) as server:
+        answers = 0
+
+        def revoke_after_three(body):
+            nonlocal answers
+            answers += 1
+            if answers == 3:
+                server.key = "sk-revoked"
+            return scripted(body)
+
+        server.reply = revoke_after_three
+        assert main(cli_args(docs, tmp_path / "stopped", server.base_url, "--concurrency", "1")) == 2
+        assert cache_path(tmp_path / "stopped").exists()  # kept for the restart
+        server.key, server.reply = KEY, scripted
+        assert main(cli_args(docs, tmp_path / "gen", server.base_url)) == 0
+    printed = capsys.readouterr()
+    assert "401 from the server: the API key in LONGALIGN_TEST_DATA_KEY was refused" in printed.err
+    assert "2 of 2 samples" in printed.out and "calls: 4 made" in printed.out
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert {p.name for p in files} >= {"data.jsonl", "report.json", ".stopped.cache.jsonl"}
+    for path in files:
+        assert KEY.encode() not in path.read_bytes(), path
+    assert KEY not in printed.out + printed.err
+
+
+# --- the slow tier: a real kill, and the output as a train_file ------------------------------------------
+
+
+class Gate:
+    """A reply function that answers ``open_for`` requests, then holds every later one until ``release``."""
+
+    def __init__(self, open_for: int) -> None:
+        self.open_for = open_for
+        self.answered: list[dict] = []
+        self.release = threading.Event()
+        self._lock = threading.Lock()
+
+    def __call__(self, body: dict) -> str:
+        with self._lock:
+            hold = len(self.answered) >= self.open_for
+            if not hold:
+                self.answered.append(body)
+        if hold:
+            self.release.wait(timeout=600)
+        return scripted(body)
+
+
+def finished_lines(path: Path) -> int:
+    return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
+@pytest.mark.integration
+def test_a_killed_run_restarted_pays_for_nothing_twice_and_writes_the_same_file(
+    tmp_path, docs, sample_tokenizer
+):
+    with OpenAIStub(scripted, key=KEY) as server:
+        run_self_instruct(docs, tmp_path / "whole", server, sample_tokenizer, per_doc=2)
+        total = server.calls
+    out = tmp_path / "gen"
+    gate = Gate(open_for=5)
+    with OpenAIStub(gate, key=KEY) as server:
+        cmd = [
+            sys.executable,
+            "-m",
+            "longalign",
+            *cli_args(docs, out, server.base_url, "--per-doc", "2", "--concurrency", "2"),
+        ]
+        process = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+        )
+        try:
+            deadline = time.monotonic() + 300
+            while finished_lines(cache_path(out)) < 5:  # every answered call is in the cache before the kill
+                assert process.poll() is None, process.communicate()[1].decode()[-2000:]
+                assert time.monotonic() < deadline, "the run never cached five calls"
+                time.sleep(0.05)
+        finally:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            gate.release.set()
+    assert process.returncode == -signal.SIGKILL
+    assert not out.exists()
+    assert len(CallCache(cache_path(out))) == 5
+    with OpenAIStub(scripted, key=KEY) as server:
+        result = run_process(
+            [sys.executable, "-m", "longalign", *cli_args(docs, out, server.base_url, "--per-doc", "2")],
+            timeout=300,
+            cwd=ROOT,
+        )
+        again = server.requests
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "5 answered from the cache" in result.stdout
+    assert len(again) == total - 5
+    canonical = lambda body: json.dumps(body, sort_keys=True)  # noqa: E731
+    assert not {canonical(b) for b in gate.answered} & {canonical(b) for b in again}
+    assert (out / "data.jsonl").read_bytes() == (tmp_path / "whole" / "data.jsonl").read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs", "gen", "whole"]  # no cache, no staging left
+
+
+@pytest.mark.integration
+def test_the_output_pre_tokenizes_and_trains_as_a_train_file(tmp_path, docs, sample_tokenizer):
+    out = tmp_path / "gen"
+    with OpenAIStub(scripted, key=KEY) as server:
+        run_self_instruct(docs, out, server, sample_tokenizer, per_doc=3, turns=2)
+    tokenized = tmp_path / "tokenized"
+    result = run_process(
+        [sys.executable, "-m", "longalign", "pre-tokenize", "--input", str(out), "--tokenizer", str(TOKENIZER),
+         "--output", str(tokenized), "--max-seq-len", "2048"],
+        timeout=300,
+        cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads((tokenized / "report.json").read_text())
+    assert (report["lines_read"], report["samples_kept"]) == (6, 6), report
+    run = train_demo(out, tmp_path / "run", "training.max_steps=2", max_seq_len=2048)
+    assert "train_loss" in run.stdout + run.stderr
+
+
+def test_agentwrite_from_the_command_line(tmp_path, capsys):
+    out = tmp_path / "write"
+    with OpenAIStub(scripted, key=KEY) as server:
+        argv = ["data", "agentwrite", "--prompts", str(writing_prompts(tmp_path)), "--output", str(out),
+                "--max-steps", "40", "--base-url", server.base_url, "--served-model", "stub-model",
+                "--api-key-env", KEY_ENV]  # fmt: skip
+        assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert f"wrote {out}/data.jsonl: 3 of 4 samples (dropped: 1 plan_unparsed)" in printed
+    assert len(lines(out / "data.jsonl")) == 3
+    assert json.loads((out / "report.json").read_text())["settings"]["max_steps"] == 40
