@@ -9,8 +9,9 @@ import peft
 import pytest
 import torch
 from conftest import TOKENIZER, tiny_model
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, GlmConfig, GlmForCausalLM
 
+from longalign.checkpoints import convert
 from longalign.cli import main
 from longalign.errors import ConfigError
 from longalign.eval import needle as nd
@@ -243,3 +244,25 @@ def test_a_length_over_the_models_limit_is_one_line(saved_model, tmp_path, capsy
     err = capsys.readouterr().err
     assert "a prompt of 500 tokens + 32 new tokens is over the model's limit of 512" in err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_chatglm_layout_checkpoint_scores_as_its_native_copy(tokenizer, pool, tmp_path):
+    torch.manual_seed(0)
+    config = GlmConfig(
+        vocab_size=4096, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=12, pad_token_id=0, eos_token_id=[1, 2], max_position_embeddings=1024,
+        rope_parameters={"rope_type": "default", "rope_theta": 50000.0, "partial_rotary_factor": 0.5},
+    )  # fmt: skip
+    GlmForCausalLM(config).save_pretrained(tmp_path / "native")
+    assert convert(str(tmp_path / "native"), tmp_path / "chatglm") == "chatglm"
+    cases = grid(tokenizer, pool, lengths=[150, 260], depths=[0, 100], samples=1, with_answer_prefix=True)
+    sequences = [(c.prompt.input_ids, c.answer_ids) for c in cases]
+    scores = {
+        name: nd.score_answers(
+            load_model(str(tmp_path / name), dtype="float64", packed=True, attn_backend="sdpa_segments"),
+            sequences,
+            pack_tokens=1000,
+        )
+        for name in ("native", "chatglm")
+    }
+    assert scores["chatglm"] == scores["native"]  # the same weights, renamed: the same numbers

@@ -14,6 +14,8 @@ served model gets ``Prompt.messages`` and applies its own template.
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +24,9 @@ from typing import Protocol
 import torch
 from tqdm import tqdm
 
+from longalign import checkpoints
 from longalign.chat_template import open_tokenizer
-from longalign.errors import ConfigError, ModelError, PathError
+from longalign.errors import ConfigError, LongAlignError, ModelError, PathError
 from longalign.serving import CallFailure, ChatClient
 
 _SLOT = "\u2063LONGALIGN-EVAL-CONTENT\u2063"  # stands for the user's text while the template is rendered
@@ -121,12 +124,12 @@ def load_model(
 ) -> torch.nn.Module:
     """The model at ``name`` in eval mode on ``device``: a run's output or checkpoint, a hub id, or an adapter.
 
-    A ``[lora]`` adapter directory loads its base (as ``adapter_config.json`` names it) with the adapter
-    merged in. ``packed=True`` patches the model for packed rows (``longalign.patch``) for teacher-forced
-    scoring; otherwise it attends with sdpa and its KV cache, for generation.
+    Checkpoints load as training loads them (``longalign.checkpoints``: a ChatGLM-layout GLM-4 becomes
+    ``GlmForCausalLM``). A ``[lora]`` adapter directory loads its base (as ``adapter_config.json`` names
+    it) with the adapter merged in. ``packed=True`` patches the model for packed rows
+    (``longalign.patch``) for teacher-forced scoring; otherwise it attends with sdpa and its KV cache,
+    for generation.
     """
-    from transformers import AutoModelForCausalLM
-
     path = Path(name)
     if (name.startswith((".", "/", "~")) or path.exists()) and not path.is_dir():
         raise PathError(f"{name}: no model directory there")
@@ -134,16 +137,16 @@ def load_model(
     adapter = path.is_dir() and _is_adapter(path)
     source = _adapter_base(path) if adapter else name
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model = checkpoints.load_model(
             source, dtype=torch_dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa"
         )
+    except LongAlignError:
+        raise
     except (OSError, ValueError) as err:
         message = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise ModelError(f"{source}: cannot load a model ({message})") from None
     if adapter:
-        import peft
-
-        model = peft.PeftModel.from_pretrained(model, str(path)).merge_and_unload()
+        model = _merged(model, path, source)
     if packed:
         import longalign.patch
 
@@ -151,6 +154,21 @@ def load_model(
     else:
         model.config.use_cache = True  # a training run saves its config with the cache off
     return model.to(device).eval()
+
+
+def _merged(model: torch.nn.Module, adapter_dir: Path, base: str) -> torch.nn.Module:
+    """``model`` with the adapter of ``adapter_dir`` folded in; one saved on ChatGLM names is renamed first."""
+    import peft
+
+    with tempfile.TemporaryDirectory() as tmp:
+        adapter = str(adapter_dir)
+        if checkpoints.is_chatglm_adapter(adapter_dir):  # peft loads it onto GlmForCausalLM's names
+            for file in ("adapter_model.safetensors", "adapter_config.json"):
+                shutil.copyfile(adapter_dir / file, Path(tmp) / file)
+            config = checkpoints.find_checkpoint(base).config
+            checkpoints.rewrite_adapter(Path(tmp), config, to=checkpoints.NATIVE)
+            adapter = tmp
+        return peft.PeftModel.from_pretrained(model, adapter).merge_and_unload()
 
 
 def context_limit(model: torch.nn.Module) -> int | None:
