@@ -31,14 +31,22 @@ DEPTHS = "0,10,20,30,40,50,60,70,80,90,100"
 JUDGE_KEY_ENV = "JUDGE_API_KEY"  # the judge's key; OPENAI_API_KEY when this one is unset
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
+def _integer_at_least(lowest: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``lowest`` (argparse names the flag in its error)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < lowest:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lowest}, got {value}")
+        return value
+
+    return parse
+
+
+_positive_int = _integer_at_least(1)
 
 
 def _non_negative_float(text: str) -> float:
@@ -160,7 +168,7 @@ def _judge_arguments(parser: argparse.ArgumentParser, *, required: bool) -> None
     add_server_arguments(parser, prefix="judge-", default_key_env=JUDGE_KEY_ENV, required=required)
     parser.add_argument(
         "--judge-retries",
-        type=int,
+        type=_integer_at_least(0),
         default=2,
         help="asks again when a reply holds no [[rating]] (default: 2)",
     )
