@@ -250,7 +250,8 @@ def test_chat_with_a_local_model_and_a_served_judge(tmp_path):
     assert status == 0
     rows = read_results(out)
     assert [r["prompt_tokens"] <= 300 for r in rows] == [True, True] and rows[1]["prompt_tokens"] == 300
-    assert all(r["output"] and r["output"] in message for r, message in zip(rows, judged, strict=True))
+    for row in rows:  # the judge's requests arrive in any order (several in flight)
+        assert row["output"] and sum(row["output"] in message for message in judged) >= 1
     assert json.loads((out / "summary.json").read_text()) == {"mean": 4.0, "n": 2, "rated": 2, "unrated": 0}
     record = json.loads((out / "run_config.json").read_text())
     assert record["server"] is None and record["judge"]["api_key_env"] == "OPENAI_API_KEY"
