@@ -7,6 +7,7 @@
     accelerate launch -m longalign preflight --config run.toml
     longalign merge --adapter out/run --output out/merged
     longalign data self-instruct --docs docs/ --tokenizer MODEL --max-tokens 60000 --output out/gen --base-url URL --served-model NAME
+    longalign eval needle --model out/run --lengths 4k,8k,16k --output out/eval/needle
     longalign convert THUDM/glm-4-9b-chat out/glm-4-9b-chat-native
 
 ``scripts/pre_tokenize.py``, ``scripts/sort_and_group.py``, ``scripts/probe_memory.py``,
@@ -28,6 +29,7 @@ from longalign import reports
 from longalign.arguments import at_least
 from longalign.datagen import command as datagen
 from longalign.errors import LongAlignError, PathError
+from longalign.eval import commands as eval_commands
 
 
 @dataclass(frozen=True)
@@ -422,6 +424,12 @@ COMMANDS = {
         datagen.DESCRIPTION,
         datagen.add_arguments,
         datagen.run,
+    ),
+    "eval": Command(
+        "evaluate a model: needle heatmap, judged long chat, long-writing length score",
+        "Evaluate a trained model: longalign eval needle|chat|write --help for each task.",
+        eval_commands.add_arguments,
+        eval_commands.run,
     ),
     "merge": Command(
         "fold a [lora] run's adapter into its base: a full model",

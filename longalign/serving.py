@@ -16,9 +16,11 @@ What can go wrong, and where it shows:
   ``Retry-After`` asks for;
 - a 429, 5xx or timeout that lasts past the retries: that request's result is a ``CallFailure``, counted in
   ``stats.failed``; the other requests go on;
-- no connection after the retries, or any other 4xx answer (a refused key, no such model or URL, a request
-  the server rejects): ``ServerError``, one line naming the URL. Those are the settings' fault, not one
-  request's, so the run stops there.
+- a 400 answer (one request the server rejects, e.g. a prompt longer than the served model's context):
+  that request's result is a ``CallFailure`` at once, without retries; the other requests go on;
+- no connection after the retries, or any other 4xx answer (a refused key, no such model or URL):
+  ``ServerError``, one line naming the URL. Those are the settings' fault, not one request's, so the run
+  stops there.
 
 The API key is read from the environment variable the settings name. It is never kept in the settings, and
 never put in an error message, a ``repr`` or a record.
@@ -171,11 +173,11 @@ class ChatClient:
         temperature: float = 0.0,
         **extra: Any,
     ) -> Completion | CallFailure:
-        """One chat completion: a ``Completion``, or a ``CallFailure`` when 429/5xx/timeouts outlast the retries.
+        """One chat completion: a ``Completion``, or a ``CallFailure`` for a 400 or when 429/5xx/timeouts outlast the retries.
 
         ``extra`` goes to ``openai``'s ``chat.completions.create`` as it is: ``stop=["\\n"]``, ``seed=0``,
         ``extra_body={"top_k": 20}`` for a server's own parameters. Raises ``ServerError`` when the
-        server cannot be reached or answers another 4xx.
+        server cannot be reached or answers another 4xx (not 400, not 429).
         """
         self._count(calls=1)
         request = {
@@ -190,6 +192,9 @@ class ChatClient:
             try:
                 response = self._client.chat.completions.create(**request)
             except self._openai.APIStatusError as err:
+                if err.status_code == 400:  # this request's fault: asking again gets the same answer
+                    self._count(failed=1)
+                    return CallFailure(f"400 from the server: {self._detail(err)}", 400)
                 if err.status_code != 429 and err.status_code < 500:
                     raise self._refused(err) from None
                 failure = CallFailure(

@@ -14,9 +14,10 @@ stops when the ``with`` block ends. Each chat request is answered by the first r
 1. ``Authorization`` is not ``Bearer <key>``: 401, whose message repeats the key it was sent (as careless
    servers do, so tests can check that clients keep it out of their own errors);
 2. ``model`` is not the stub's ``model``: 404;
-3. call number n (1, 2, ...) with n <= ``fail_first_with_429``: 429 with ``Retry-After: <retry_after>``;
-4. n a multiple of ``fail_every``: 500;
-5. otherwise 200 with ``reply(body)`` as it is (line breaks kept), or its first ``max_tokens`` words
+3. ``reject(body)`` returns a message: 400 with that message (a request the server refuses, e.g. too long);
+4. call number n (1, 2, ...) with n <= ``fail_first_with_429``: 429 with ``Retry-After: <retry_after>``;
+5. n a multiple of ``fail_every``: 500;
+6. otherwise 200 with ``reply(body)`` as it is (line breaks kept), or its first ``max_tokens`` words
    when it has more and the request sets ``max_tokens`` (finish_reason "length", else "stop"), and ``usage`` counting whitespace-separated words: those of every message's
    content as prompt tokens, those of the reply as completion tokens.
 """
@@ -49,6 +50,7 @@ class OpenAIStub:
         fail_every: int | None = None,
         fail_first_with_429: int = 0,
         retry_after: int = 0,  # the Retry-After seconds of those 429 answers
+        reject: Callable[[dict[str, Any]], str | None] | None = None,  # a message: answer 400 with it
     ) -> None:
         self.reply = reply
         self.key = key
@@ -56,6 +58,7 @@ class OpenAIStub:
         self.fail_every = fail_every
         self.fail_first_with_429 = fail_first_with_429
         self.retry_after = retry_after
+        self.reject = reject
         self._lock = threading.Lock()
         self._requests: list[dict[str, Any]] = []
         self._http: _Server | None = None
@@ -104,6 +107,8 @@ class OpenAIStub:
             return refused
         if body.get("model") != self.model:
             return 404, {}, _error(f"The model `{body.get('model')}` does not exist.", "model_not_found")
+        if self.reject is not None and (message := self.reject(body)):
+            return 400, {}, _error(message, "invalid_request")
         if n <= self.fail_first_with_429:
             return 429, {"Retry-After": str(self.retry_after)}, _error("Rate limit reached", "rate_limit")
         if self.fail_every and n % self.fail_every == 0:

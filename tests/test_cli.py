@@ -12,7 +12,7 @@ from conftest import DEMO, ROOT, SAMPLE, TOKENIZER, make_samples, run_process, s
 from longalign.cli import COMMANDS, main
 from longalign.reports import PLOT_NAME
 
-SUBCOMMANDS = ["pre-tokenize", "pack", "train", "probe", "preflight", "data", "merge", "convert"]
+SUBCOMMANDS = ["pre-tokenize", "pack", "train", "probe", "preflight", "data", "eval", "merge", "convert"]
 
 
 def test_help_lists_the_subcommands(capsys):

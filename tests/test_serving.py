@@ -156,6 +156,22 @@ def test_persistent_500_is_a_counted_call_failure():
     assert client.stats == CallStats(calls=1, succeeded=0, failed=1, retried=3)
 
 
+def test_400_is_that_requests_call_failure_at_once_and_the_others_go_on():
+    sleeps: list[float] = []
+    too_long = lambda body: "prompt too long" if "long" in body["messages"][-1]["content"] else None  # noqa: E731
+    with OpenAIStub(key=KEY, reject=too_long, reply=lambda body: "ok") as server:
+        client = client_for(server, sleeps, max_retries=3)
+        results = client.complete_many([{"messages": user("short")}, {"messages": user("a long one")}])
+        calls = server.calls
+    assert results[0] == Completion(text="ok", finish_reason="stop", prompt_tokens=1, completion_tokens=1)
+    assert results[1] == CallFailure(error="400 from the server: prompt too long", status=400)
+    assert sleeps == []  # asking again would get the same answer
+    assert calls == 2
+    assert client.stats == CallStats(
+        calls=2, succeeded=1, failed=1, retried=0, prompt_tokens=1, completion_tokens=1
+    )
+
+
 def test_no_answer_within_the_timeout_is_a_call_failure():
     released = threading.Event()
     sleeps: list[float] = []

@@ -1,0 +1,527 @@
+"""``longalign eval needle|chat|write``: the flags of each task and the run from flags to an output directory.
+
+    longalign eval needle --model out/run --lengths 1000,2000,4000 --output out/eval/needle
+    longalign eval needle --model out/run --lengths 1000,2000,4000 --score logprob --output out/eval/needle-lp
+    longalign eval chat --model out/run --data longbench_chat.jsonl --judge-base-url URL --judge-model M --output DIR
+    longalign eval write --backend openai --base-url URL --served-model M --tokenizer out/run --data w.jsonl ...
+    accelerate launch -m longalign eval needle --model out/run ...      # prompts shared out; rank 0 writes
+
+Every task writes ``results.jsonl``, ``summary.json`` and ``run_config.json`` (every setting; the API
+key's variable named, never the key) into ``--output`` by the rules of every stage's output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from longalign.errors import ConfigError
+from longalign.redact import redact_text
+from longalign.serving import ChatClient, ServerSettings, add_server_arguments, server_settings
+
+if TYPE_CHECKING:
+    from longalign.eval.models import Generator
+
+DEPTHS = "0,10,20,30,40,50,60,70,80,90,100"
+JUDGE_KEY_ENV = "JUDGE_API_KEY"  # the judge's key; OPENAI_API_KEY when this one is unset
+
+
+def _integer_at_least(lowest: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``lowest`` (argparse names the flag in its error)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < lowest:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lowest}, got {value}")
+        return value
+
+    return parse
+
+
+_positive_int = _integer_at_least(1)
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``needle``, ``chat`` and ``write`` subcommands under ``parser``."""
+    tasks = parser.add_subparsers(dest="task", required=True, metavar="TASK")
+    for name, (summary, description, add_task_arguments) in TASKS.items():
+        sub = tasks.add_parser(
+            name, help=summary, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
+        _model_arguments(sub)
+        add_task_arguments(sub)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the chosen task; the exit status."""
+    return RUNNERS[args.task](args)
+
+
+def _model_arguments(parser: argparse.ArgumentParser) -> None:
+    from longalign.config import TORCH_DTYPES
+
+    group = parser.add_argument_group("the model")
+    group.add_argument(
+        "--model",
+        help="a run's output directory or checkpoint, a [lora] adapter directory (its base from "
+        "adapter_config.json), or a hub id (--backend transformers)",
+    )
+    group.add_argument(
+        "--backend",
+        choices=("transformers", "openai"),
+        default="transformers",
+        help="transformers: load --model here; openai: an OpenAI-compatible server (--base-url, --served-model)",
+    )
+    group.add_argument(
+        "--tokenizer", help="measures lengths and renders the chat template (default: --model's own)"
+    )
+    group.add_argument("--chat-template", type=Path, help="Jinja file that replaces the tokenizer's template")
+    group.add_argument(
+        "--dtype", choices=TORCH_DTYPES, default="auto", help="weights dtype (default: the model's)"
+    )
+    group.add_argument("--max-new-tokens", type=_positive_int, help="tokens generated per prompt, at most")
+    group.add_argument(
+        "--temperature", type=_non_negative_float, default=0.0, help="0 (the default): greedy decoding"
+    )
+    group.add_argument(
+        "--batch-size", type=_positive_int, default=1, help="prompts per generate() call, grouped by length"
+    )
+    group.add_argument("--seed", type=int, default=0, help="the prompts' randomness and sampling")
+    group.add_argument("--trust-remote-code", action="store_true")
+    group.add_argument("--output", required=True, help="output directory (replaced atomically)")
+    add_server_arguments(parser, required=False)
+
+
+def _needle_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--lengths",
+        default="1000,2000,4000,8000",
+        help="prompt lengths in tokens, chat template included (4k = 4096)",
+    )
+    parser.add_argument("--depths", default=DEPTHS, help="needle depths, percent of the haystack")
+    parser.add_argument(
+        "--samples-per-cell", type=_positive_int, default=1, help="prompts per length and depth"
+    )
+    parser.add_argument(
+        "--haystack",
+        type=Path,
+        help="a .txt file or a directory of them (default: generated filler sentences)",
+    )
+    parser.add_argument(
+        "--needle", help="the fact to hide (default: a random key and 7-digit value per prompt)"
+    )
+    parser.add_argument("--question", help="the question about --needle")
+    parser.add_argument("--answer", help="the answer to --question; a reply scores 100 if it contains it")
+    parser.add_argument(
+        "--answer-prefix", default="", help="how an answer to --question begins (--score logprob)"
+    )
+    parser.add_argument(
+        "--score",
+        choices=("generate", "logprob"),
+        default="generate",
+        help="generate: the answer must appear in the reply; logprob: one teacher-forced forward per prompt "
+        "(the answer's mean log-probability, and whether greedy decoding gives it)",
+    )
+    parser.add_argument(
+        "--pack-tokens",
+        type=_positive_int,
+        help="--score logprob: tokens per packed row (default: the longest length)",
+    )
+    parser.add_argument(
+        "--attn-backend", default="auto", help="--score logprob: the varlen attention backend"
+    )
+
+
+def _chat_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--data", type=Path, required=True, help="JSON or JSONL rows: prompt, query, answer (, idx)"
+    )
+    parser.add_argument("--few-shots", type=Path, help="graded example answers shown to the judge")
+    parser.add_argument("--max-length", type=_positive_int, help="cut the middle of longer prompts (tokens)")
+    _judge_arguments(parser, required=True)
+
+
+def _write_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data", type=Path, required=True, help="JSON or JSONL rows: prompt, length (, idx)")
+    _judge_arguments(parser, required=False)
+
+
+def _judge_arguments(parser: argparse.ArgumentParser, *, required: bool) -> None:
+    add_server_arguments(parser, prefix="judge-", default_key_env=JUDGE_KEY_ENV, required=required)
+    parser.add_argument(
+        "--judge-retries",
+        type=_integer_at_least(0),
+        default=2,
+        help="asks again when a reply holds no [[rating]] (default: 2)",
+    )
+
+
+# --- shared steps ------------------------------------------------------------------------------------------
+
+
+class Session:
+    """What every task resolves from the model flags: the tokenizer, the generator, the device, a record."""
+
+    def __init__(self, args: argparse.Namespace, *, default_new_tokens: int) -> None:
+        from longalign.eval.models import default_tokenizer, eval_tokenizer
+
+        self.args = args
+        self.max_new_tokens = args.max_new_tokens or default_new_tokens
+        self.settings: ServerSettings | None = None
+        if args.backend == "openai":
+            self.settings = server_settings(args)
+            if not args.tokenizer:
+                raise ConfigError(
+                    "--tokenizer: needed with --backend openai (it measures the prompts' lengths)"
+                )
+        elif not args.model:
+            raise ConfigError("--model: missing; name a run's output, a checkpoint or an adapter directory")
+        name = args.tokenizer or default_tokenizer(args.model)
+        self.tokenizer = eval_tokenizer(
+            name, chat_template=args.chat_template, trust_remote_code=args.trust_remote_code
+        )
+
+    def load_model(self, *, packed: bool = False, attn_backend: str = "auto"):
+        """The local model on this rank's device."""
+        from accelerate import PartialState
+
+        from longalign.eval.models import load_model
+
+        return load_model(
+            self.args.model,
+            dtype=self.args.dtype,
+            device=PartialState().device,
+            packed=packed,
+            attn_backend=attn_backend,
+            trust_remote_code=self.args.trust_remote_code,
+        )
+
+    def generator(self, lengths: Sequence[int]) -> Generator:
+        """The local or served generator, after checking that the prompts fit the local model."""
+        from longalign.eval.models import LocalGenerator, ServedGenerator, check_fits, context_limit
+
+        if self.settings is not None:
+            return ServedGenerator(
+                ChatClient(self.settings),
+                max_new_tokens=self.max_new_tokens,
+                temperature=self.args.temperature,
+                seed=self.args.seed,
+            )
+        model = self.load_model()
+        check_fits(lengths, context_limit(model), new_tokens=self.max_new_tokens)
+        return LocalGenerator(
+            model,
+            self.tokenizer,
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.args.temperature,
+            batch_size=self.args.batch_size,
+            seed=self.args.seed,
+        )
+
+    def record(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """``run_config.json``: every flag (URLs without passwords, key variables by name), versions, extras."""
+        import torch
+        import transformers
+
+        import longalign
+
+        flags = {
+            key: redact_text(value) if key.endswith("base_url") and value else value
+            for key, value in vars(self.args).items()
+            if not callable(value)
+        }
+        return {
+            "task": self.args.task,
+            "flags": json.loads(json.dumps(flags, default=str)),
+            "max_new_tokens": self.max_new_tokens,
+            "server": self.settings.record() if self.settings else None,
+            "versions": {
+                "longalign": getattr(longalign, "__version__", None),
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+            },
+            **(extra or {}),
+        }
+
+
+def _judge(args: argparse.Namespace, *, system: str):
+    """The ``Judge`` of the ``--judge-*`` flags; the key from JUDGE_API_KEY, else OPENAI_API_KEY."""
+    from longalign.eval.judge import Judge
+
+    if args.judge_api_key_env == JUDGE_KEY_ENV and not os.environ.get(JUDGE_KEY_ENV):
+        args.judge_api_key_env = "OPENAI_API_KEY"
+    return Judge(
+        ChatClient(server_settings(args, prefix="judge-")), retries=args.judge_retries, system=system
+    )
+
+
+def _write_outputs(
+    args: argparse.Namespace,
+    inputs: Sequence[Any],
+    rows: Sequence[dict[str, Any]],
+    summary: dict[str, Any],
+    record: dict[str, Any],
+    plot: Callable[[Path], None] | None = None,
+    extra_files: dict[str, str] | None = None,
+) -> None:
+    from longalign.artifacts import stage_output
+
+    with stage_output(args.output, stage=f"eval {args.task}", inputs=[i for i in inputs if i]) as staging:
+        with open(staging / "results.jsonl", "w", encoding="utf-8") as out:
+            for row in rows:
+                out.write(json.dumps(row, ensure_ascii=False) + "\n")
+        (staging / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+        (staging / "run_config.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        for name, text in (extra_files or {}).items():
+            (staging / name).write_text(text, encoding="utf-8")
+        if plot is not None:
+            plot(staging)
+
+
+def _check_output(args: argparse.Namespace, *, inputs: Sequence[str]) -> None:
+    """Refuse a bad ``--output`` before any work (the same rule holds again when it is written)."""
+    from longalign.artifacts import check_output
+
+    check_output(args.output, inputs=inputs)
+
+
+def _local_inputs(args: argparse.Namespace, *paths: Path | None) -> list[str]:
+    """The inputs the output may not be or contain: a local --model and the task's files."""
+    found = [str(p) for p in paths if p is not None]
+    if args.model and Path(args.model).exists():
+        found.append(args.model)
+    return found
+
+
+# --- needle ------------------------------------------------------------------------------------------------
+
+
+def _needle_setting(args: argparse.Namespace):
+    from longalign.eval.needle import Needle
+
+    given = {flag: getattr(args, flag) for flag in ("needle", "question", "answer")}
+    if not any(given.values()):
+        return None
+    missing = [f"--{flag}" for flag, value in given.items() if not value]
+    if missing:
+        raise ConfigError(
+            f"{', '.join(missing)}: missing; a needle of your own needs --needle, --question and --answer"
+        )
+    return Needle(args.needle, args.question, args.answer, args.answer_prefix)
+
+
+def _run_needle(args: argparse.Namespace) -> int:
+    from longalign.eval import needle as nd
+    from longalign.eval.ranks import across_ranks
+    from longalign.probe import parse_lengths
+
+    lengths = parse_lengths(args.lengths)
+    try:
+        depths = sorted({int(part) for part in args.depths.split(",") if part.strip()})
+    except ValueError:
+        raise ConfigError(f"--depths {args.depths!r}: expected percentages, e.g. {DEPTHS}") from None
+    if not depths or not all(0 <= d <= 100 for d in depths):
+        raise ConfigError(f"--depths {args.depths!r}: expected percentages from 0 to 100")
+    logprob = args.score == "logprob"
+    if logprob and args.backend == "openai":
+        raise ConfigError("--score logprob: needs the model's weights (--backend transformers)")
+    _check_output(args, inputs=_local_inputs(args, args.haystack))
+    session = Session(args, default_new_tokens=32)
+    pool = nd.haystack_pool(session.tokenizer, args.haystack, seed=args.seed, tokens=max(lengths))
+    cases = nd.build_cases(
+        session.tokenizer,
+        pool,
+        lengths=lengths,
+        depths=depths,
+        samples=args.samples_per_cell,
+        seed=args.seed,
+        needle=_needle_setting(args),
+        with_answer_prefix=logprob,
+    )
+    started = time.perf_counter()
+    if logprob:
+        from longalign.eval.models import check_fits, context_limit
+
+        model = session.load_model(packed=True, attn_backend=args.attn_backend)
+        check_fits([len(c.prompt.input_ids) + len(c.answer_ids) for c in cases], context_limit(model))
+        pack_tokens = args.pack_tokens or max(lengths) + max(len(c.answer_ids) for c in cases)
+
+        def work(mine):
+            scores = nd.score_answers(
+                model,
+                [(c.prompt.input_ids, c.answer_ids) for c in mine],
+                pack_tokens=pack_tokens,
+                progress="needle (rows)",
+            )
+            return [nd.logprob_row(c, s, session.tokenizer) for c, s in zip(mine, scores, strict=True)]
+    else:
+        generator = session.generator([len(c.prompt.input_ids) for c in cases])
+
+        def work(mine):
+            replies = generator.generate([c.prompt for c in mine], progress="needle")
+            return [nd.generation_row(c, r) for c, r in zip(mine, replies, strict=True)]
+
+    rows = across_ranks(cases, work)
+    if rows is None:
+        return 0
+    seconds = time.perf_counter() - started
+    summary = {**nd.summary(rows), "score": args.score, "seconds": round(seconds, 3)}
+    title = f"{args.model or args.served_model} ({args.score})"
+    _write_outputs(
+        args,
+        _local_inputs(args, args.haystack),
+        rows,
+        summary,
+        session.record({"lengths": lengths, "depths": depths}),
+        plot=lambda d: nd.plot_heatmap(summary, d / "heatmap.png", title=title),
+        extra_files={"summary.csv": nd.summary_csv(summary)},
+    )
+    overall = "n/a" if summary["overall"] is None else f"{summary['overall']:.1f}"
+    extra = f", mean log-probability {summary['mean_logprob']:.3f}" if "mean_logprob" in summary else ""
+    print(f"needle: {len(rows)} prompts in {seconds:.1f} s, score {overall}{extra}; wrote {args.output}")
+    return 0
+
+
+# --- chat --------------------------------------------------------------------------------------------------
+
+
+def _run_chat(args: argparse.Namespace) -> int:
+    from longalign.eval import chat
+    from longalign.eval.judge import JUDGE_SYSTEM, JudgeCase
+    from longalign.eval.models import template_frame
+    from longalign.eval.ranks import across_ranks
+
+    cases = chat.read_chat_cases(args.data)
+    examples = chat.read_examples(args.few_shots, cases) if args.few_shots else None
+    _check_output(args, inputs=_local_inputs(args, args.data, args.few_shots))
+    judge = _judge(args, system=JUDGE_SYSTEM)
+    session = Session(args, default_new_tokens=1024)
+    frame = template_frame(session.tokenizer)
+    prompts = [
+        chat.middle_cut_prompt(session.tokenizer, c.prompt, max_length=args.max_length, frame=frame)
+        for c in cases
+    ]
+    generator = session.generator([len(p.input_ids) for p in prompts])
+    replies = across_ranks(prompts, lambda mine: generator.generate(mine, progress="chat"))
+    if replies is None:
+        return 0
+    answered = [i for i, r in enumerate(replies) if not r.error]
+    verdicts = judge.rate(
+        [
+            JudgeCase(question=cases[i].query, answer=replies[i].text, reference=cases[i].answer)
+            for i in answered
+        ],
+        [examples[i] for i in answered] if examples else None,
+        progress="judging",
+    )
+    ratings = dict(zip(answered, verdicts, strict=True))
+    rows = [
+        chat.chat_row(c, p, r, ratings.get(i))
+        for i, (c, p, r) in enumerate(zip(cases, prompts, replies, strict=True))
+    ]
+    summary = chat.chat_summary(rows)
+    record = session.record({"judge": judge.client.settings.record()})
+    _write_outputs(args, _local_inputs(args, args.data, args.few_shots), rows, summary, record)
+    mean = "n/a" if summary["mean"] is None else f"{summary['mean']:.2f}"
+    print(f"chat: mean rating {mean} over {summary['rated']} of {summary['n']} cases "
+         f"({summary['unrated']} unrated); wrote {args.output}")  # fmt: skip
+    return 0
+
+
+# --- write -------------------------------------------------------------------------------------------------
+
+
+def _run_write(args: argparse.Namespace) -> int:
+    from longalign.eval import write
+    from longalign.eval.chat import middle_cut_prompt
+    from longalign.eval.judge import QUALITY_SYSTEM, JudgeCase
+    from longalign.eval.models import template_frame
+    from longalign.eval.ranks import across_ranks
+
+    cases = write.read_write_cases(args.data)
+    _check_output(args, inputs=_local_inputs(args, args.data))
+    judged = bool(args.judge_base_url or args.judge_model)
+    judge = _judge(args, system=QUALITY_SYSTEM) if judged else None
+    session = Session(args, default_new_tokens=8192)
+    frame = template_frame(session.tokenizer)
+    prompts = [middle_cut_prompt(session.tokenizer, c.prompt, max_length=None, frame=frame) for c in cases]
+    generator = session.generator([len(p.input_ids) for p in prompts])
+    replies = across_ranks(prompts, lambda mine: generator.generate(mine, progress="write"))
+    if replies is None:
+        return 0
+    ratings: dict[int, Any] = {}
+    if judge is not None:
+        answered = [i for i, r in enumerate(replies) if not r.error]
+        verdicts = judge.rate(
+            [JudgeCase(question=cases[i].prompt, answer=replies[i].text) for i in answered],
+            progress="judging",
+        )
+        ratings = dict(zip(answered, verdicts, strict=True))
+    rows = [
+        write.write_row(c, r, ratings.get(i)) for i, (c, r) in enumerate(zip(cases, replies, strict=True))
+    ]
+    summary = write.write_summary(rows, judged=judged)
+    record = session.record({"judge": judge.client.settings.record() if judge else None})
+    title = f"{args.model or args.served_model}: length score {summary['length_score'] or 0:.1f}"
+    _write_outputs(
+        args,
+        _local_inputs(args, args.data),
+        rows,
+        summary,
+        record,
+        plot=lambda d: write.plot_scatter(rows, d / "scatter.png", title=title),
+    )
+    score = "n/a" if summary["length_score"] is None else f"{summary['length_score']:.1f}"
+    print(f"write: length score {score} over {summary['n']} requests; wrote {args.output}")
+    return 0
+
+
+TASKS = {
+    "needle": (
+        "needle-in-a-haystack grid: depth x length heatmap",
+        "Needle in a haystack over a grid of prompt lengths x needle depths; writes results.jsonl,\n"
+        "summary.json, summary.csv and heatmap.png.\n\n"
+        "    longalign eval needle --model out/run --lengths 1000,2000,4000 --output out/eval/needle\n"
+        "    longalign eval needle --model out/run --lengths 1k,2k,4k --score logprob --output out/eval/lp\n\n"
+        "Prompts are built in token ids and are exactly --lengths tokens, chat template included. The needle\n"
+        "goes to the sentence boundary nearest each depth; by default each prompt hides its own random key and\n"
+        "7-digit value. --score logprob generates nothing: one teacher-forced forward per prompt, packed rows.",
+        _needle_arguments,
+    ),
+    "chat": (
+        "LongBench-Chat style: answers rated 1-10 by a judge model",
+        "The model answers each row's prompt; a judge model rates the answer 1-10 against the reference,\n"
+        "writing [[n]] (the last one counts; a reply without one is asked again, then counted unrated).\n"
+        "The judge's key comes from JUDGE_API_KEY, else OPENAI_API_KEY, or --judge-api-key-env.\n\n"
+        "    longalign eval chat --model out/run --data longbench_chat.jsonl --max-length 32000 \\\n"
+        "        --judge-base-url https://api.openai.com/v1 --judge-model gpt-4o --output out/eval/chat",
+        _chat_arguments,
+    ),
+    "write": (
+        "LongBench-Write: length score of long generations",
+        "The model writes for each row's prompt; the length score compares the words + CJK characters\n"
+        "written with the row's required length. With --judge-base-url, a judge also rates quality 1-10.\n"
+        "Writes results.jsonl, summary.json and scatter.png.\n\n"
+        "    longalign eval write --model out/run --data longbench_write.jsonl --output out/eval/write",
+        _write_arguments,
+    ),
+}
+RUNNERS = {"needle": _run_needle, "chat": _run_chat, "write": _run_write}

@@ -1,0 +1,292 @@
+"""Model access for every eval task: a prompt in token ids, a local transformers model or a served one, replies.
+
+    tokenizer = eval_tokenizer("out/run")                     # the run's own tokenizer, chat template required
+    prompt = chat_prompt(tokenizer, tokenizer("Hi", add_special_tokens=False).input_ids)
+        -> Prompt(input_ids=[bos, <header> user ..., 'Hi', <eot>, <header> assistant ...], messages=[...])
+    model = load_model("out/run")                             # run dir, checkpoint, or a [lora] adapter dir
+    LocalGenerator(model, tokenizer, max_new_tokens=32).generate([prompt])  -> [Reply(text='Hello', error=None)]
+    ServedGenerator(ChatClient(settings), max_new_tokens=32).generate([prompt]) -> [Reply(...)]
+
+A local model generates from ``Prompt.input_ids`` exactly (its KV cache on, the training patch off); a
+served model gets ``Prompt.messages`` and applies its own template.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from tqdm import tqdm
+
+from longalign import checkpoints
+from longalign.chat_template import open_tokenizer
+from longalign.errors import ConfigError, LongAlignError, ModelError, PathError
+from longalign.serving import CallFailure, ChatClient
+
+_SLOT = "\u2063LONGALIGN-EVAL-CONTENT\u2063"  # stands for the user's text while the template is rendered
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One model input: the rendered chat in token ids, and the same chat as messages for a server."""
+
+    input_ids: list[int]  # chat template applied, generation prompt included
+    messages: list[dict[str, str]]  # [{"role": "user", "content": ...}] for an OpenAI-compatible server
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What a model answered; ``error`` says why a served request gave no answer (then ``text`` is "")."""
+
+    text: str
+    error: str | None = None
+
+
+class Generator(Protocol):
+    """Anything that answers prompts in their order: ``LocalGenerator``, ``ServedGenerator``, a test's fake."""
+
+    def generate(self, prompts: Sequence[Prompt], *, progress: str | None = None) -> list[Reply]: ...
+
+
+def eval_tokenizer(name: str, *, chat_template: Path | None = None, trust_remote_code: bool = False):
+    """The tokenizer that measures lengths and renders prompts; a one-line error when it has no chat template."""
+    tokenizer = open_tokenizer(name, trust_remote_code=trust_remote_code)
+    if chat_template is not None:
+        if not chat_template.is_file():
+            raise PathError(f"{chat_template}: chat template file not found")
+        tokenizer.chat_template = chat_template.read_text(encoding="utf-8")
+    if not tokenizer.chat_template:
+        raise ModelError(f"{name}: the tokenizer has no chat template; pass --chat-template FILE")
+    return tokenizer
+
+
+def template_frame(tokenizer) -> tuple[list[int], list[int]]:
+    """The token ids the chat template puts before and after a user message's text (generation prompt included).
+
+    For a Llama-3 template: ``([<|begin_of_text|>, <|start_header_id|>, 'user', ..., '\\n\\n'],
+    [<|eot_id|>, <|start_header_id|>, 'assistant', <|end_header_id|>, '\\n\\n'])``.
+    """
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": _SLOT}], tokenize=False, add_generation_prompt=True
+    )
+    if text.count(_SLOT) != 1:
+        raise ModelError("the chat template does not write the user's message once, as given")
+    before, after = text.split(_SLOT)
+    encode = lambda part: tokenizer(part, add_special_tokens=False).input_ids  # noqa: E731
+    return encode(before), encode(after)
+
+
+def chat_prompt(
+    tokenizer, content_ids: Sequence[int], *, frame: tuple[list[int], list[int]] | None = None
+) -> Prompt:
+    """A one-turn chat whose user message is ``content_ids``, built in token ids (the text is never re-encoded)."""
+    before, after = frame or template_frame(tokenizer)
+    content = tokenizer.decode(list(content_ids))
+    return Prompt(input_ids=[*before, *content_ids, *after], messages=[{"role": "user", "content": content}])
+
+
+def _is_adapter(path: Path) -> bool:
+    return (path / "adapter_config.json").is_file()
+
+
+def default_tokenizer(model: str) -> str:
+    """Where ``--model``'s tokenizer is: the directory itself, or an adapter's base when the adapter has none."""
+    path = Path(model)
+    if _is_adapter(path) and not (path / "tokenizer_config.json").is_file():
+        return _adapter_base(path)
+    return model
+
+
+def _adapter_base(adapter_dir: Path) -> str:
+    config = json.loads((adapter_dir / "adapter_config.json").read_text(encoding="utf-8"))
+    base = config.get("base_model_name_or_path")
+    if not base:
+        raise ModelError(f"{adapter_dir}: its adapter_config.json names no base model")
+    if Path(base).is_absolute() and not Path(base).is_dir():
+        raise PathError(f"{adapter_dir}: its base model {base} is not there (moved?)")
+    return base
+
+
+def load_model(
+    name: str,
+    *,
+    dtype: str = "auto",
+    device: torch.device | str = "cpu",
+    packed: bool = False,
+    attn_backend: str = "auto",
+    trust_remote_code: bool = False,
+) -> torch.nn.Module:
+    """The model at ``name`` in eval mode on ``device``: a run's output or checkpoint, a hub id, or an adapter.
+
+    Checkpoints load as training loads them (``longalign.checkpoints``: a ChatGLM-layout GLM-4 becomes
+    ``GlmForCausalLM``). A ``[lora]`` adapter directory loads its base (as ``adapter_config.json`` names
+    it) with the adapter merged in. ``packed=True`` patches the model for packed rows
+    (``longalign.patch``) for teacher-forced scoring; otherwise it attends with sdpa and its KV cache,
+    for generation.
+    """
+    path = Path(name)
+    if (name.startswith((".", "/", "~")) or path.exists()) and not path.is_dir():
+        raise PathError(f"{name}: no model directory there")
+    torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
+    adapter = path.is_dir() and _is_adapter(path)
+    source = _adapter_base(path) if adapter else name
+    try:
+        model = checkpoints.load_model(
+            source, dtype=torch_dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa"
+        )
+    except LongAlignError:
+        raise
+    except (OSError, ValueError) as err:
+        message = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ModelError(f"{source}: cannot load a model ({message})") from None
+    if adapter:
+        model = _merged(model, path, source)
+    if packed:
+        import longalign.patch
+
+        model = longalign.patch.apply(model, backend=attn_backend)
+    else:
+        model.config.use_cache = True  # a training run saves its config with the cache off
+    return model.to(device).eval()
+
+
+def _merged(model: torch.nn.Module, adapter_dir: Path, base: str) -> torch.nn.Module:
+    """``model`` with the adapter of ``adapter_dir`` folded in; one saved on ChatGLM names is renamed first."""
+    import peft
+
+    with tempfile.TemporaryDirectory() as tmp:
+        adapter = str(adapter_dir)
+        if checkpoints.is_chatglm_adapter(adapter_dir):  # peft loads it onto GlmForCausalLM's names
+            for file in ("adapter_model.safetensors", "adapter_config.json"):
+                shutil.copyfile(adapter_dir / file, Path(tmp) / file)
+            config = checkpoints.find_checkpoint(base).config
+            checkpoints.rewrite_adapter(Path(tmp), config, to=checkpoints.NATIVE)
+            adapter = tmp
+        return peft.PeftModel.from_pretrained(model, adapter).merge_and_unload()
+
+
+def context_limit(model: torch.nn.Module) -> int | None:
+    """The longest sequence the model's positions cover (``max_position_embeddings``), if it says."""
+    return getattr(model.config, "max_position_embeddings", None)
+
+
+def check_fits(lengths: Sequence[int], limit: int | None, *, new_tokens: int = 0) -> None:
+    """Refuse prompts that, with ``new_tokens`` to generate, run past the model's ``limit``; one line."""
+    if limit is None or not lengths:
+        return
+    longest = max(lengths)
+    if longest + new_tokens > limit:
+        raise ConfigError(
+            f"a prompt of {longest} tokens + {new_tokens} new tokens is over the model's limit of {limit} "
+            "(max_position_embeddings); use shorter lengths or --max-length"
+        )
+
+
+def length_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
+    """Indices grouped into batches of similar length, longest first (little padding, the peak memory early).
+
+    >>> length_batches([5, 100, 7, 90], 2)
+    [[1, 3], [2, 0]]
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+class LocalGenerator:
+    """Replies from a transformers model, batched by length with left padding; greedy unless ``temperature > 0``.
+
+    LocalGenerator(model, tokenizer, max_new_tokens=64, batch_size=4).generate(prompts, progress="needle")
+    -> [Reply(text='The number is 1234567.'), ...]          # one per prompt, in their order
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        *,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        batch_size: int = 1,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.batch_size = batch_size
+        self.seed = seed
+        pad = tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else tokenizer.eos_token_id
+
+    def generate(self, prompts: Sequence[Prompt], *, progress: str | None = None) -> list[Reply]:
+        """One reply per prompt, in the prompts' order."""
+        replies: list[Reply | None] = [None] * len(prompts)
+        batches = length_batches([len(p.input_ids) for p in prompts], self.batch_size)
+        torch.manual_seed(self.seed)
+        with tqdm(total=len(prompts), desc=progress, disable=progress is None) as bar:
+            for batch in batches:
+                texts = self._generate_batch([prompts[i].input_ids for i in batch])
+                for i, text in zip(batch, texts, strict=True):
+                    replies[i] = Reply(text)
+                bar.update(len(batch))
+        return replies
+
+    @torch.inference_mode()
+    def _generate_batch(self, rows: list[list[int]]) -> list[str]:
+        device = next(self.model.parameters()).device
+        width = max(len(row) for row in rows)
+        ids = torch.tensor([[self.pad_id] * (width - len(row)) + row for row in rows], device=device)
+        mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows], device=device)
+        sampling = (
+            {"do_sample": True, "temperature": self.temperature, "top_p": 1.0, "top_k": None}
+            if self.temperature > 0
+            else {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+        )
+        out = self.model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=self.max_new_tokens,
+            pad_token_id=self.pad_id,
+            eos_token_id=self.tokenizer.eos_token_id,
+            use_cache=True,
+            **sampling,
+        )
+        return self.tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+
+
+class ServedGenerator:
+    """Replies from an OpenAI-compatible server: ``Prompt.messages`` sent ``concurrency`` at a time.
+
+    A request that fails after its retries (a 429/5xx that lasts, a prompt the server refuses as too long)
+    is a ``Reply`` with ``error`` set; the other prompts go on.
+    """
+
+    def __init__(
+        self, client: ChatClient, *, max_new_tokens: int = 128, temperature: float = 0.0, seed: int = 0
+    ) -> None:
+        self.client = client
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.seed = seed
+
+    def generate(self, prompts: Sequence[Prompt], *, progress: str | None = None) -> list[Reply]:
+        """One reply per prompt, in the prompts' order."""
+        requests = [
+            {
+                "messages": p.messages,
+                "max_tokens": self.max_new_tokens,
+                "temperature": self.temperature,
+                "seed": self.seed,
+            }
+            for p in prompts
+        ]
+        return [
+            Reply("", error=r.error) if isinstance(r, CallFailure) else Reply(r.text)
+            for r in self.client.complete_many(requests, progress=progress)
+        ]

@@ -1,0 +1,412 @@
+"""Needle in a haystack: a fact hidden at a chosen depth of a long text, asked about at the end.
+
+A prompt is built in token ids and is exactly ``length`` tokens, chat template included::
+
+    [template before the user text][intro][haystack ... | needle | ... haystack][question][template after]
+                                          ^ needle_start: the sentence boundary nearest depth% of the haystack
+
+The haystack is whole sentences, each encoded once, cut to the exact count that makes up ``length``
+(never decoded and re-encoded). By default each prompt hides its own random key and 7-digit value
+("The special magic number for amber-otter is 4812397."), so no answer can be learned by heart.
+
+    cases = build_cases(tokenizer, haystack_pool(tokenizer, None, seed=0, tokens=8192),
+                        lengths=[1000, 4000], depths=[0, 50, 100], samples=2, seed=0)
+    replies = generator.generate([case.prompt for case in cases])
+    rows = [generation_row(case, reply) for case, reply in zip(cases, replies)]
+    summary(rows)  -> {'overall': 66.7, 'by_depth': {'0': 100.0, ...}, 'by_length': {...}, 'n': 12, ...}
+
+``score_answers`` is the teacher-forced alternative: the answer's mean log-probability after the prompt
+(ending in an answer prefix), several prompts packed into one row of the varlen-patched model.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from longalign.errors import ConfigError, InputError, PathError
+from longalign.eval.models import Prompt, Reply, template_frame
+
+INTRO = "Read the text below. A question about it follows at the end.\n\n"
+QUESTION_FORM = "\n\n{question} Answer with the fact from the text."
+
+_SUBJECTS = ["The river", "A lantern", "The old road", "Our neighbour", "The orchard", "A small boat",
+             "The library", "The north wind", "A grey heron", "The market", "The baker", "A quiet valley"]  # fmt: skip
+_VERBS = ["passes", "waits beside", "looks over", "turns toward", "leans against", "follows", "circles",
+          "drifts past", "rests near", "watches"]  # fmt: skip
+_OBJECTS = ["the stone bridge", "a field of barley", "the harbour wall", "the chapel", "the long hedge",
+            "a row of poplars", "the mill pond", "the hill farm", "the station", "an empty square"]  # fmt: skip
+_TAILS = ["in the morning", "after the rain", "every autumn", "at dusk", "without a sound", "as it always has",
+          "before the bells", "on market days"]  # fmt: skip
+_KEY_WORDS = ["amber", "cobalt", "velvet", "silent", "copper", "frosty", "hollow", "lunar", "mossy", "rapid",
+              "otter", "falcon", "willow", "harbor", "meadow", "lantern", "thistle", "canyon", "ember", "quartz"]  # fmt: skip
+_SENTENCE_END = re.compile(r"(?<=[.!?\u3002\uff01\uff1f])\s+")
+
+
+@dataclass(frozen=True)
+class Needle:
+    """The fact hidden in one prompt, the question asked about it, and the answer that scores."""
+
+    text: str  # "The special magic number for amber-otter is 4812397."
+    question: str  # "What is the special magic number for amber-otter?"
+    answer: str  # "4812397"
+    answer_prefix: str = ""  # how a reply begins before the answer, for teacher-forced scoring
+
+
+@dataclass(frozen=True)
+class NeedleCase:
+    """One prompt of the grid, with where its needle went."""
+
+    length: int  # tokens of the whole prompt (answer prefix included when scoring)
+    depth: int  # percent of the haystack before the needle, as asked
+    sample: int
+    prompt: Prompt
+    needle_start: int  # token offset of the needle in the prompt
+    answer: str
+    answer_ids: list[int]  # the answer's tokens as they would follow the prompt
+
+
+def random_needle(rng: random.Random) -> Needle:
+    """A fresh key and 7-digit value: ``Needle('The special magic number for mossy-ember is 5071938.', ...)``."""
+    key = f"{rng.choice(_KEY_WORDS[:10])}-{rng.choice(_KEY_WORDS[10:])}"
+    value = str(rng.randint(1_000_000, 9_999_999))
+    return Needle(
+        text=f"The special magic number for {key} is {value}.",
+        question=f"What is the special magic number for {key} mentioned in the text?",
+        answer=value,
+        answer_prefix=f"The special magic number for {key} is",
+    )
+
+
+def filler_sentences(rng: random.Random, count: int) -> list[str]:
+    """Plain sentences with nothing to find in them: ``['The river passes the stone bridge at dusk.', ...]``."""
+    return [
+        f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)} {rng.choice(_TAILS)}."
+        for _ in range(count)
+    ]
+
+
+def split_sentences(text: str) -> list[str]:
+    """A text's sentences, each on one line of words: ``'A b.  C d?\\nE' -> ['A b.', 'C d?', 'E']``."""
+    return [" ".join(part.split()) for part in _SENTENCE_END.split(text) if part.strip()]
+
+
+def read_haystack(source: Path) -> list[str]:
+    """The sentences of a ``.txt`` file, or of every ``.txt`` file in a directory (sorted by name)."""
+    if source.is_dir():
+        files = sorted(source.glob("*.txt"))
+        if not files:
+            raise PathError(f"{source}: no .txt files in this directory")
+    elif source.is_file():
+        files = [source]
+    else:
+        raise PathError(f"{source}: no haystack file or directory there")
+    sentences = [s for path in files for s in split_sentences(path.read_text(encoding="utf-8"))]
+    if not sentences:
+        raise InputError(f"{source}: the haystack text is empty")
+    return sentences
+
+
+def haystack_pool(tokenizer, source: Path | None, *, seed: int, tokens: int) -> list[list[int]]:
+    """Haystack sentences in token ids, each encoded once with its leading space.
+
+    From ``source``, or generated filler (about ``tokens`` of it) when it is None. ``build_cases`` wraps
+    around the pool when a prompt needs more.
+    """
+    if source is None:
+        sentences = filler_sentences(random.Random(f"haystack:{seed}"), max(64, tokens // 8))
+    else:
+        sentences = read_haystack(source)
+    return tokenizer([" " + s for s in sentences], add_special_tokens=False).input_ids
+
+
+def nearest_boundary(sentence_lens: Sequence[int], haystack_len: int, depth: int) -> int:
+    """The sentence start (or the end) within the first ``haystack_len`` tokens nearest ``depth``% of them.
+
+    >>> nearest_boundary([4, 4, 4], 12, 50)    # starts 0, 4, 8 and the end 12; 50% is token 6
+    4
+    """
+    boundaries, at = [0], 0
+    for n in sentence_lens:
+        at += n
+        if at >= haystack_len:
+            break
+        boundaries.append(at)
+    boundaries.append(haystack_len)
+    target = depth / 100 * haystack_len
+    return min(boundaries, key=lambda b: (abs(b - target), b))
+
+
+def build_cases(
+    tokenizer,
+    pool: list[list[int]],
+    *,
+    lengths: Sequence[int],
+    depths: Sequence[int],
+    samples: int,
+    seed: int,
+    needle: Needle | None = None,
+    with_answer_prefix: bool = False,
+) -> list[NeedleCase]:
+    """Every prompt of the grid lengths x depths x samples; raises ``ConfigError`` if a length cannot fit.
+
+    The same arguments give the same prompts. Each prompt's haystack starts at its own sentence of the
+    pool; with ``needle`` None each gets a random needle.
+    """
+    before, after = template_frame(tokenizer)
+    encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
+    intro = encode(INTRO)
+    cases = []
+    for length in lengths:
+        for depth in depths:
+            for sample in range(samples):
+                rng = random.Random(f"needle:{seed}:{length}:{depth}:{sample}")
+                fact = needle or random_needle(rng)
+                needle_ids = encode(" " + fact.text)
+                question = encode(QUESTION_FORM.format(question=fact.question))
+                prefix = encode(fact.answer_prefix) if with_answer_prefix and fact.answer_prefix else []
+                answer_ids = encode((" " if prefix else "") + fact.answer)
+                fixed = len(before) + len(intro) + len(needle_ids) + len(question) + len(after) + len(prefix)
+                haystack_len = length - fixed
+                if haystack_len < 1:
+                    raise ConfigError(
+                        f"--lengths {length}: too short for the needle, question and chat template "
+                        f"({fixed} tokens without any haystack)"
+                    )
+                sentences = _sentences_from(pool, rng.randrange(len(pool)), haystack_len)
+                haystack = [t for s in sentences for t in s][:haystack_len]
+                cut = nearest_boundary([len(s) for s in sentences], haystack_len, depth)
+                content = [*intro, *haystack[:cut], *needle_ids, *haystack[cut:], *question]
+                cases.append(
+                    NeedleCase(
+                        length=length,
+                        depth=depth,
+                        sample=sample,
+                        prompt=Prompt(
+                            input_ids=[*before, *content, *after, *prefix],
+                            messages=[{"role": "user", "content": tokenizer.decode(content)}],
+                        ),
+                        needle_start=len(before) + len(intro) + cut,
+                        answer=fact.answer,
+                        answer_ids=answer_ids,
+                    )
+                )
+    return cases
+
+
+def _sentences_from(pool: list[list[int]], start: int, tokens: int) -> list[list[int]]:
+    """Sentences of ``pool`` from ``start`` on, wrapping around, until they hold ``tokens`` tokens."""
+    taken, total, i = [], 0, start
+    while total < tokens:
+        taken.append(pool[i % len(pool)])
+        total += len(taken[-1])
+        i += 1
+    return taken
+
+
+def found(answer: str, output: str) -> bool:
+    """Whether the answer appears in the output, ignoring case."""
+    return answer.casefold() in output.casefold()
+
+
+def generation_row(case: NeedleCase, reply: Reply) -> dict:
+    """The ``results.jsonl`` row of a generated reply: 100 if the answer is in it, 0 if not, None if it failed."""
+    row = _row(case)
+    row.update(output=reply.text, score=None if reply.error else 100.0 * found(case.answer, reply.text))
+    if reply.error:
+        row["error"] = reply.error
+    return row
+
+
+def _row(case: NeedleCase) -> dict:
+    return {
+        "length": case.length,
+        "depth": case.depth,
+        "sample": case.sample,
+        "prompt_tokens": len(case.prompt.input_ids),
+        "needle_start": case.needle_start,
+        "answer": case.answer,
+    }
+
+
+@dataclass(frozen=True)
+class AnswerScore:
+    """Teacher-forced reading of an answer after its prompt."""
+
+    logprob: float  # mean log-probability of the answer's tokens
+    greedy: bool  # whether greedy decoding reproduces the answer token by token
+    predicted: list[int]  # the most likely token at each answer position
+
+
+def pack_rows(lengths: Sequence[int], pack_tokens: int) -> list[list[int]]:
+    """Sequences in order, as many per row as fit in ``pack_tokens`` (a longer one gets a row of its own).
+
+    >>> pack_rows([3, 4, 2, 9], 8)
+    [[0, 1], [2], [3]]
+    """
+    rows: list[list[int]] = []
+    used = 0
+    for i, n in enumerate(lengths):
+        if rows and used + n <= pack_tokens:
+            rows[-1].append(i)
+            used += n
+        else:
+            rows.append([i])
+            used = n
+    return rows
+
+
+@torch.inference_mode()
+def score_answers(
+    model: torch.nn.Module,
+    sequences: Sequence[tuple[list[int], list[int]]],
+    *,
+    pack_tokens: int,
+    progress: str | None = None,
+) -> list[AnswerScore]:
+    """For each ``(prompt_ids, answer_ids)``, the answer's log-probabilities in one teacher-forced forward.
+
+    ``model`` is patched for packed rows (``longalign.patch.apply``): several sequences share a row, each
+    attending only to itself, with positions restarting at 0::
+
+        row          [p p p a a | p p a | p p p p a a a]
+        position_ids [0 1 2 3 4 | 0 1 2 | 0 1 2 3 4 5 6]
+        read at          ^ ^        ^         ^ ^ ^      (the logits that predict each answer token)
+
+    ``progress`` titles a progress bar over the rows on stderr.
+    """
+    device = next(model.parameters()).device
+    scores: list[AnswerScore | None] = [None] * len(sequences)
+    lengths = [len(p) + len(a) - 1 for p, a in sequences]  # the last answer token is never an input
+    for members in tqdm(pack_rows(lengths, pack_tokens), desc=progress, disable=progress is None):
+        ids, positions, reads, seq_lens = [], [], [], []
+        for i in members:
+            prompt, answer = sequences[i]
+            tokens = [*prompt, *answer][:-1]
+            reads.extend(len(ids) + len(prompt) - 1 + j for j in range(len(answer)))
+            ids.extend(tokens)
+            positions.extend(range(len(tokens)))
+            seq_lens.append(len(tokens))
+        cu_seqlens = torch.tensor([0, *seq_lens], device=device).cumsum(0).to(torch.int32)
+        logits = model(
+            input_ids=torch.tensor([ids], device=device),
+            position_ids=torch.tensor([positions], device=device),
+            cu_seq_lens_q=cu_seqlens,
+            cu_seq_lens_k=cu_seqlens,
+            max_length_q=max(seq_lens),
+            max_length_k=max(seq_lens),
+            logits_to_keep=torch.tensor(reads, device=device),
+        ).logits[0]
+        logprobs = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1)
+        at = 0
+        for i in members:
+            answer = sequences[i][1]
+            mine = logprobs[at : at + len(answer)]
+            targets = torch.tensor(answer, device=device)
+            predicted = mine.argmax(-1)
+            scores[i] = AnswerScore(
+                logprob=float(mine.gather(1, targets[:, None]).mean()),
+                greedy=bool((predicted == targets).all()),
+                predicted=predicted.tolist(),
+            )
+            at += len(answer)
+    return scores
+
+
+def logprob_row(case: NeedleCase, score: AnswerScore, tokenizer) -> dict:
+    """The ``results.jsonl`` row of a teacher-forced reading: 100 if greedy decoding gives the answer."""
+    row = _row(case)
+    row.update(
+        output=tokenizer.decode(score.predicted),
+        score=100.0 * score.greedy,
+        logprob=score.logprob,
+    )
+    return row
+
+
+def summary(rows: Sequence[dict]) -> dict:
+    """Mean scores overall, by depth, by length and by cell (rows whose call failed are counted apart)."""
+    scored = [r for r in rows if r["score"] is not None]
+
+    def mean(values: list[float]) -> float | None:
+        return sum(values) / len(values) if values else None
+
+    def by(key: str) -> dict[str, float | None]:
+        keys = sorted({r[key] for r in rows})
+        return {str(k): mean([r["score"] for r in scored if r[key] == k]) for k in keys}
+
+    cells = []
+    for length in sorted({r["length"] for r in rows}):
+        for depth in sorted({r["depth"] for r in rows}):
+            mine = [r for r in scored if r["length"] == length and r["depth"] == depth]
+            cell = {
+                "length": length,
+                "depth": depth,
+                "score": mean([r["score"] for r in mine]),
+                "n": len(mine),
+            }
+            if any("logprob" in r for r in mine):
+                cell["logprob"] = mean([r["logprob"] for r in mine])
+            cells.append(cell)
+    result = {
+        "overall": mean([r["score"] for r in scored]),
+        "by_depth": by("depth"),
+        "by_length": by("length"),
+        "n": len(rows),
+        "failed": len(rows) - len(scored),
+        "cells": cells,
+    }
+    if any("logprob" in r for r in scored):
+        result["mean_logprob"] = mean([r["logprob"] for r in scored])
+    return result
+
+
+def summary_csv(summary_: dict) -> str:
+    """The cells of a summary as CSV: ``length,depth,score,n`` (and ``logprob`` when scored that way)."""
+    columns = ["length", "depth", "score", "n"] + (["logprob"] if "mean_logprob" in summary_ else [])
+    lines = [",".join(columns)]
+    for cell in summary_["cells"]:
+        lines.append(",".join("" if cell.get(c) is None else f"{cell[c]:.6g}" for c in columns))
+    return "\n".join(lines) + "\n"
+
+
+def plot_heatmap(summary_: dict, path: Path, *, title: str) -> None:
+    """``heatmap.png``: score 0-100 by depth (rows) and length (columns); with logprobs, a second panel."""
+    from matplotlib.figure import Figure  # no pyplot, no display
+
+    lengths = sorted({c["length"] for c in summary_["cells"]})
+    depths = sorted({c["depth"] for c in summary_["cells"]})
+    panels = [("score", "score (0-100)", 0.0, 100.0)]
+    if "mean_logprob" in summary_:
+        values = [c["logprob"] for c in summary_["cells"] if c.get("logprob") is not None]
+        panels.append(("logprob", "mean log-probability of the answer", min(values), max(0.0, max(values))))
+    figure = Figure(figsize=(1.2 + 0.6 * len(lengths) * len(panels) + 2 * len(panels), 1.5 + 0.4 * len(depths)),
+                    layout="constrained")  # fmt: skip
+    axes = figure.subplots(1, len(panels), squeeze=False)[0]
+    for ax, (key, label, low, high) in zip(axes, panels, strict=True):
+        grid = [[_cell(summary_, length, depth, key) for length in lengths] for depth in depths]
+        image = ax.imshow(grid, cmap="RdYlGn", vmin=low, vmax=high, aspect="auto")
+        for y, row in enumerate(grid):
+            for x, value in enumerate(row):
+                if value == value:  # not NaN
+                    ax.text(x, y, f"{value:.0f}" if key == "score" else f"{value:.2f}", ha="center", va="center",
+                            fontsize=7)  # fmt: skip
+        ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], rotation=45)
+        ax.set_yticks(range(len(depths)), [f"{d}%" for d in depths])
+        ax.set(xlabel="prompt length (tokens)", ylabel="needle depth", title=label)
+        figure.colorbar(image, ax=ax)
+    figure.suptitle(title)
+    figure.savefig(path, dpi=100)
+
+
+def _cell(summary_: dict, length: int, depth: int, key: str) -> float:
+    for cell in summary_["cells"]:
+        if cell["length"] == length and cell["depth"] == depth and cell.get(key) is not None:
+            return cell[key]
+    return float("nan")

@@ -1,0 +1,41 @@
+"""Prompts shared out over the ranks of ``accelerate launch -m longalign eval ...``; rank 0 gets every result.
+
+    results = across_ranks(prompts, lambda mine: generator.generate(mine))
+    # 2 ranks: rank 0 works on prompts 0, 2, 4, ..., rank 1 on 1, 3, 5, ...
+    # rank 0: the results of all prompts in their order; the other ranks: None
+
+One process (no launcher) works on everything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+Item = TypeVar("Item")
+
+
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and the number of ranks: ``(0, 1)`` without a process group."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def across_ranks(items: Sequence[Item], work: Callable[[list[Item]], list[Any]]) -> list[Any] | None:
+    """``work`` on this rank's share of ``items`` (every world-th one); all results in order on rank 0, else None."""
+    rank, world = rank_and_world()
+    mine = list(items[rank::world])
+    results = work(mine)
+    if world == 1:
+        return results
+    gathered: list[list[Any]] | None = [None] * world if rank == 0 else None
+    dist.gather_object(results, gathered, dst=0)
+    if rank != 0:
+        return None
+    merged: list[Any] = [None] * len(items)
+    for r, share in enumerate(gathered):
+        merged[r::world] = share
+    return merged
