@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from longalign.arguments import at_least
 from longalign.errors import ConfigError
 from longalign.redact import redact_text
 from longalign.serving import ChatClient, ServerSettings, add_server_arguments, server_settings
@@ -31,22 +32,7 @@ DEPTHS = "0,10,20,30,40,50,60,70,80,90,100"
 JUDGE_KEY_ENV = "JUDGE_API_KEY"  # the judge's key; OPENAI_API_KEY when this one is unset
 
 
-def _integer_at_least(lowest: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= ``lowest`` (argparse names the flag in its error)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < lowest:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {lowest}, got {value}")
-        return value
-
-    return parse
-
-
-_positive_int = _integer_at_least(1)
+_positive_int = at_least(1)
 
 
 def _non_negative_float(text: str) -> float:
@@ -168,7 +154,7 @@ def _judge_arguments(parser: argparse.ArgumentParser, *, required: bool) -> None
     add_server_arguments(parser, prefix="judge-", default_key_env=JUDGE_KEY_ENV, required=required)
     parser.add_argument(
         "--judge-retries",
-        type=_integer_at_least(0),
+        type=at_least(0),
         default=2,
         help="asks again when a reply holds no [[rating]] (default: 2)",
     )
