@@ -12,8 +12,9 @@
 
 ``scripts/pre_tokenize.py``, ``scripts/sort_and_group.py``, ``scripts/probe_memory.py``,
 ``scripts/preflight.py``, ``scripts/merge_adapter.py`` and ``train.py`` run the same subcommands. Every command reports a bad argument,
-config, input file or model in one line (``longalign train: error: ...``) and exits with status 2; the
-rest of what each prints is its result.
+config, input file or model in one line (``longalign train: error: ...``) and exits with status 2; any other
+error, and any error once training has started, keeps its traceback (status 1). The rest of what each
+prints is its result.
 """
 
 from __future__ import annotations
