@@ -7,6 +7,7 @@ Tests that start processes (scripts, ``accelerate launch``, end-to-end runs) are
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.util
 import json
 import os
@@ -253,3 +254,21 @@ def tokenized_sample(tmp_path_factory, sample_tokenizer) -> Path:
     out = tmp_path_factory.mktemp("sample") / "tokenized"
     pre_tokenize(SAMPLE, sample_tokenizer, out, max_seq_len=1024)
     return out
+
+
+@pytest.fixture(scope="module")
+def base_tokenizer(sample_tokenizer):
+    """The shipped tokenizer, a module's own copy (tests give copies other templates)."""
+    return copy.deepcopy(sample_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def glm_tokenizer(base_tokenizer):
+    """The shipped vocabulary with a GLM-4-style template and its role tokens."""
+    from templates import GLM4_STYLE, with_template
+
+    tok = with_template(base_tokenizer, GLM4_STYLE)
+    tok.add_special_tokens(
+        {"additional_special_tokens": ["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>"]}
+    )
+    return tok
