@@ -647,32 +647,12 @@ def dry_run_arguments(cfg: Config) -> tuple[TrainingArguments, list[str]]:
     return training_arguments(dataclasses.replace(cfg, training=view)), needs_gpu
 
 
-def local_copy(name: str, filename: str) -> Path | None:
-    """Where ``name`` (a directory or a Hub id) is on this machine, without touching the network.
-
-    That is the path itself, or the snapshot in the Hugging Face cache that holds ``filename``; ``None``
-    when neither.
-    """
-    from huggingface_hub import try_to_load_from_cache
-
-    path = Path(name).expanduser()
-    if path.exists():
-        return path
-    if name.startswith((".", "/", "~")) or name.count("/") > 1:
-        return None
-    try:
-        found = try_to_load_from_cache(name, filename)
-    except ValueError:  # not a valid repository id
-        return None
-    return Path(found).parent if isinstance(found, str) else None
-
-
 def _local_tokenizer(cfg: Config, not_checked: list[str]):
     """The run's tokenizer from a local directory or the cache; ``None`` (and a line in ``not_checked``) if absent."""
     name = cfg.model.tokenizer or cfg.model.model_name_or_path
     if not name:
         return load_tokenizer(cfg)  # says what to set
-    where = local_copy(name, "tokenizer_config.json")
+    where = checkpoints.local_dir(name)
     if where is None:
         not_checked.append(f"tokenizer {name}: not a local directory nor in the Hugging Face cache")
         return None
@@ -685,7 +665,7 @@ def _local_vocab_size(cfg: Config, not_checked: list[str]) -> int | None:
     """The model's vocabulary size from its config, read locally; ``None`` (and a line in ``not_checked``) if absent."""
     name = cfg.model.model_name_or_path
     if cfg.model.init_from_config is None:
-        where = local_copy(name, "config.json")
+        where = checkpoints.local_dir(name)
         if where is None:
             not_checked.append(
                 f"model {name}: its config.json is not a local file nor in the Hugging Face cache, so the data's "
