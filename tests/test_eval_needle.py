@@ -8,7 +8,7 @@ import re
 import peft
 import pytest
 import torch
-from conftest import TOKENIZER, tiny_model
+from conftest import FLOAT32_BOUND, TOKENIZER, assert_relatively_close, tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, GlmConfig, GlmForCausalLM
 
 from longalign.checkpoints import convert
@@ -185,8 +185,9 @@ def test_a_lora_adapter_directory_scores_and_generates_as_its_merged_model(token
     for name in ("adapter", "merged", "base"):
         model = load_model(str(tmp_path / name), dtype="float64", packed=True, attn_backend="sdpa_segments")
         scores[name] = [s.logprob for s in nd.score_answers(model, sequences, pack_tokens=1000)]
-    # The merged copy on disk holds float32 weights; the adapter merges here in float64.
-    assert scores["adapter"] == pytest.approx(scores["merged"], rel=1e-7)
+    # The merged copy on disk holds float32 weights (merged by float32 kernels, which round differently on
+    # different CPUs); the adapter merges here in float64: a float32 bound.
+    assert_relatively_close(scores["adapter"], scores["merged"], FLOAT32_BOUND)
     assert scores["adapter"] != pytest.approx(scores["base"], rel=1e-4)  # the adapter changes the model
 
     replies = {
