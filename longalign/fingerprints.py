@@ -1,7 +1,7 @@
 """Short content digests that say whether two things are the same: settings, tokenizers, cache keys.
 
->>> digest({"max_seq_len": 4096, "strategy": "bfd"})
-'5d2c1a...'                       (12 hex digits of SHA-256 over the value as sorted JSON)
+``digest({"max_seq_len": 4096, "strategy": "bfd"})`` is ``"ddf6e215df21"``: 12 hex digits of SHA-256 over
+the value written as JSON with sorted keys.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """What the commands print and draw from a stage's report: summaries for the terminal, the packing plot.
 
->>> print(pack_summary(json.load(open("out/packed/report.json")), "out/packed"))
-strategy       bfd  max_seq_len 4096  seed 42
-samples        329 packed of 329  (left out: none)
-...
+``pack_summary(report, "out/packed")`` of a pack report reads::
+
+    strategy       bfd  max_seq_len 4096  seed 42
+    samples        329 packed of 329  (left out: none)
+    ...
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ def _float64(value) -> torch.Tensor:
 def relative_error(actual, expected) -> float:
     """``||actual - expected|| / ||expected||`` in float64; dicts and sequences of tensors count as one.
 
-    >>> relative_error(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0 + 1e-6]))  # ~4.5e-7
+    ``relative_error(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0 + 1e-6]))`` is about 4.5e-7.
     """
     if isinstance(expected, dict):
         assert actual.keys() == expected.keys(), (sorted(actual), sorted(expected))
