@@ -32,17 +32,19 @@ one line naming it rather than guessed.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
+import logging
 import re
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from longalign.errors import ConfigError, ModelError, PathError
+from longalign.errors import ConfigError, ModelError, PathError, did_you_mean
 
 if TYPE_CHECKING:
     from transformers import GlmConfig, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast
@@ -307,6 +309,181 @@ def chatglm_config(config: PretrainedConfig) -> dict[str, Any]:
     }
 
 
+# --- config overrides --------------------------------------------------------------------------------------
+
+_ROPE_BASE_KEYS = ("rope_theta", "partial_rotary_factor")  # the pretrained weights', kept by a new rope_type
+OVERRIDES_RECORD = "config_overrides.json"  # next to a [lora] run's adapter: the base's config_overrides
+
+
+def override_config(
+    config: PretrainedConfig, overrides: Mapping[str, Any], *, save_format: str = "auto"
+) -> PretrainedConfig:
+    """``config`` with ``[model] config_overrides`` applied: what the model is built, trained and saved with.
+
+    A key replaces the checkpoint's value. RoPE keys keep their meaning whatever transformers stores them
+    in (5.x keeps every RoPE setting in ``rope_parameters``, fills a table without ``rope_theta`` with
+    10000, and ignores a top-level ``rope_theta`` when the table has one)::
+
+        rope_theta = 1e6                                 rope_parameters.rope_theta = 1e6
+        rope_parameters = { factor = 16.0 }              only factor changes
+        rope_parameters = { rope_type = "yarn", factor = 4.0 }
+            the checkpoint's scaling is replaced; its rope_theta and partial_rotary_factor stay (the
+            pretrained weights were trained with them), original_max_position_embeddings is the
+            checkpoint's max_position_embeddings unless given
+
+    A RoPE key that no rope type has, one the type does not read, or a missing one it needs is an error
+    (transformers only warns about the first two). A ChatGLM-layout checkpoint's recorded ``config.json``
+    (see :func:`glm_config`) follows, for saving back: ``max_position_embeddings`` as ``seq_length``, plain
+    RoPE's base as ``rope_ratio``; what the layout cannot hold (YaRN, another rotary share, ...) is refused,
+    unless ``save_format`` is native, which drops the record and saves ``GlmForCausalLM`` instead.
+    """
+    plain = {
+        key: value for key, value in overrides.items() if key not in ("rope_parameters", *_ROPE_BASE_KEYS)
+    }
+    settings = config.to_dict() | plain
+    if overrides.keys() & {"rope_parameters", *_ROPE_BASE_KEYS}:
+        settings["rope_parameters"] = _overridden_rope(config, overrides)
+    # Built with the checkpoint's window first: transformers fills in what a RoPE type needs from
+    # max_position_embeddings (a scaled RoPE's original window), and that must be the checkpoint's.
+    settings["max_position_embeddings"] = config.max_position_embeddings
+    with _rope_warnings():  # said again below, where the window is the new one
+        staged = _built(type(config), settings)
+    window = plain.get("max_position_embeddings", config.max_position_embeddings)
+    with _rope_warnings() as warned:  # the whole config validated again, with its new window
+        built = _built(type(config), staged.to_dict() | {"max_position_embeddings": window})
+    if warned:
+        raise ConfigError(f"model.config_overrides.rope_parameters: {warned[0]}")
+    record = getattr(built, RECORD_KEY, None)
+    if record:
+        try:
+            setattr(built, RECORD_KEY, _chatglm_overridden(record, built, overrides))
+        except ConfigError:
+            if save_format != NATIVE:
+                raise
+            delattr(built, RECORD_KEY)  # saved as GlmForCausalLM; convert refuses what the layout cannot hold
+    return built
+
+
+def _overridden_rope(config: PretrainedConfig, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """The checkpoint's ``rope_parameters`` with the overrides' RoPE keys, as :func:`override_config` says."""
+    from transformers.modeling_rope_utils import RopeParameters
+
+    rope = json.loads(json.dumps(config.rope_parameters or {}))  # a deep copy
+    layers = config.nested_rope_parameter_keys(rope)  # one table per layer type, or one for all
+    tables = {layer: rope[layer] for layer in layers} if layers else {None: rope}
+    new = overrides.get("rope_parameters")
+    if new is not None:
+        if not isinstance(new, Mapping):
+            raise ConfigError(f"model.config_overrides.rope_parameters: expected a table, got {new!r}")
+        by_layer = new if layers else {None: new}
+        for layer, table in by_layer.items():
+            where = "model.config_overrides.rope_parameters" + (f".{layer}" if layer else "")
+            if layer not in tables or not isinstance(table, Mapping):
+                raise ConfigError(
+                    f"{where}: this checkpoint has one RoPE table per layer type ({', '.join(layers)}); "
+                    "give a table for each one you change"
+                )
+            for key in table:
+                if key not in RopeParameters.__annotations__:
+                    known = list(RopeParameters.__annotations__)
+                    raise ConfigError(f"{where}.{key}: not a RoPE setting{did_you_mean(key, known)}")
+            old = tables[layer]
+            if "rope_type" in table:  # a new scaling, on the checkpoint's base
+                kept = {key: old[key] for key in _ROPE_BASE_KEYS if key in old and key not in table}
+                tables[layer] = {**table, **kept}
+            else:
+                tables[layer] = {**old, **table}
+    for key in _ROPE_BASE_KEYS:
+        if key in overrides:
+            for table in tables.values():
+                table[key] = overrides[key]
+    return {layer: table for layer, table in tables.items()} if layers else tables[None]
+
+
+def _built(cls: type[PretrainedConfig], settings: dict[str, Any]) -> PretrainedConfig:
+    """``cls.from_dict(settings)``; what it refuses is an error about the overrides, in one line."""
+    try:
+        return cls.from_dict(settings)
+    except (KeyError, ValueError, TypeError) as err:  # KeyError: a rope type without a key it needs
+        text = err.args[0] if isinstance(err, KeyError) and err.args else err  # a KeyError's str is quoted
+        raise ConfigError(f"model.config_overrides: {(str(text).strip().splitlines() or [''])[0]}") from None
+
+
+@contextlib.contextmanager
+def _rope_warnings() -> Iterator[list[str]]:
+    """What transformers' RoPE validation warns about while the block runs (it warns, we refuse)."""
+    logger = logging.getLogger("transformers.modeling_rope_utils")
+    caught: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            caught.append(record.getMessage())
+
+    handler, level, propagate = Catch(logging.WARNING), logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.WARNING)  # also when transformers' verbosity hides warnings
+    logger.propagate = False  # said once, as the error
+    try:
+        yield caught
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate
+
+
+def _chatglm_overridden(
+    record: Mapping[str, Any], config: GlmConfig, overrides: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The ChatGLM ``config.json`` ``record`` with the overridden keys of ``config`` mapped back onto it."""
+    out = dict(record)
+    names = {native: chatglm for chatglm, native in _MAPPED.items()}
+    fix = 'set model.save_format = "native" to train and save it as GlmForCausalLM'
+    for key in overrides:
+        if key in ("rope_theta", "rope_parameters"):
+            rope = config.rope_parameters or {}
+            plain = {
+                "rope_type": "default",
+                "rope_theta": rope.get("rope_theta"),
+                "partial_rotary_factor": 0.5,
+            }
+            if rope != plain:
+                raise ConfigError(
+                    f"model.config_overrides.{key}: the ChatGLM layout holds plain RoPE on half of each head, base "
+                    f"{ROPE_BASE:g} x rope_ratio, not rope_parameters = {json.dumps(rope)}; {fix}"
+                )
+            out["rope_ratio"] = rope["rope_theta"] / ROPE_BASE
+        elif config.attribute_map.get(key, key) in names:
+            out[names[config.attribute_map.get(key, key)]] = getattr(config, key)
+        else:
+            raise ConfigError(f"model.config_overrides.{key}: the ChatGLM layout has no place for it; {fix}")
+    return out
+
+
+def overrides_record(overrides: Mapping[str, Any], save_format: str) -> dict[str, Any]:
+    """What a ``[lora]`` run writes as :data:`OVERRIDES_RECORD` next to each adapter it saves, so that merging
+    and eval build the base as the run trained it (:func:`adapter_base_config`)."""
+    return {"config_overrides": dict(overrides), "save_format": save_format}
+
+
+def config_value(config: PretrainedConfig, key: str) -> Any:
+    """The value of an override's ``key`` in ``config``: RoPE base keys are read from ``rope_parameters``."""
+    if key in _ROPE_BASE_KEYS:
+        rope = config.rope_parameters or {}
+        layers = config.nested_rope_parameter_keys(rope)
+        return {layer: rope[layer].get(key) for layer in layers} if layers else rope.get(key)
+    return getattr(config, key, None)
+
+
+def adapter_base_config(adapter_dir: Path, base: str) -> PretrainedConfig | None:
+    """The config the adapter in ``adapter_dir`` was trained on: ``base``'s, with the overrides the run noted
+    (:func:`overrides_record`); ``None`` when it noted none."""
+    path = Path(adapter_dir) / OVERRIDES_RECORD
+    if not path.is_file():
+        return None
+    record = _read_json(path)
+    return override_config(model_config(base), record["config_overrides"], save_format=record["save_format"])
+
+
 # --- weights -----------------------------------------------------------------------------------------------
 
 _LAYER = re.compile(r"transformer\.encoder\.layers\.(\d+)\.(.+)")
@@ -440,22 +617,32 @@ def model_config(name: str, *, trust_remote_code: bool = False) -> PretrainedCon
 
 
 def load_model(
-    name: str, *, dtype: torch.dtype | str = "auto", trust_remote_code: bool = False, **kwargs: Any
+    name: str,
+    *,
+    config: PretrainedConfig | None = None,
+    dtype: torch.dtype | str = "auto",
+    trust_remote_code: bool = False,
+    **kwargs: Any,
 ) -> PreTrainedModel:
     """The causal LM at ``name``; a ChatGLM-layout checkpoint becomes ``GlmForCausalLM`` without its code.
 
-    ``kwargs`` go to ``from_pretrained`` (quantization, device map).
+    ``config`` is the one to build it with (:func:`model_config`'s, changed by :func:`override_config`);
+    default: the checkpoint's own. ``kwargs`` go to ``from_pretrained`` (quantization, device map).
     """
     checkpoint = find_checkpoint(name, trust_remote_code=trust_remote_code)
     if checkpoint.layout == NATIVE:
         from transformers import AutoModelForCausalLM
 
         return AutoModelForCausalLM.from_pretrained(
-            name, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs
+            name,
+            **({"config": config} if config is not None else {}),
+            dtype=dtype,
+            trust_remote_code=trust_remote_code,
+            **kwargs,
         )
     from transformers import GlmForCausalLM
 
-    config = glm_config(checkpoint.config, f"{name}/config.json")
+    config = config or glm_config(checkpoint.config, f"{name}/config.json")
     state = native_weights(read_weights(checkpoint.path), checkpoint.config, config, name=name)
     return GlmForCausalLM.from_pretrained(None, config=config, state_dict=state, dtype=dtype, **kwargs)
 
@@ -510,18 +697,19 @@ def save_chatglm(
     """Write ``GlmForCausalLM`` weights in the ChatGLM layout.
 
     With ``source`` (the ChatGLM checkpoint the model came from) its ``config.json``, tokenizer files and
-    ``.py`` files are copied unchanged; without it ``config.json`` is written from ``config``.
+    ``.py`` files are copied unchanged, except a ``config.json`` that ``config`` changed (its
+    ``config_overrides``, see :func:`override_config`); without ``source`` it is written from ``config``.
     """
     output = Path(output_dir)
     output.mkdir(parents=True, exist_ok=True)
     write_weights(to_chatglm(state), output)
-    if source is None:
-        text = json.dumps(chatglm_config(config), indent=2) + "\n"
-        (output / "config.json").write_text(text, encoding="utf-8")
-        return
-    for file in sorted(source.iterdir()):
-        if file.is_file() and not _WEIGHT_FILES.fullmatch(file.name) and not file.name.startswith("."):
-            shutil.copyfile(file, output / file.name)
+    if source is not None:
+        for file in sorted(source.iterdir()):
+            if file.is_file() and not _WEIGHT_FILES.fullmatch(file.name) and not file.name.startswith("."):
+                shutil.copyfile(file, output / file.name)
+    written = chatglm_config(config) if config is not None else None
+    if written is not None and (source is None or written != _read_json(source / "config.json")):
+        (output / "config.json").write_text(json.dumps(written, indent=2) + "\n", encoding="utf-8")
 
 
 def layout_saver(
@@ -538,7 +726,8 @@ def layout_saver(
         return None
 
     def save(model: torch.nn.Module, output_dir: Path, state: Mapping[str, torch.Tensor] | None) -> None:
-        save_chatglm(model.state_dict() if state is None else state, output_dir, source=checkpoint.path)
+        state = model.state_dict() if state is None else state
+        save_chatglm(state, output_dir, source=checkpoint.path, config=model.config)
 
     return save
 

@@ -32,8 +32,8 @@ is an error that names it. ``Config.sources`` says where every setting came from
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-import difflib
 import sys
 import types
 import typing
@@ -44,7 +44,7 @@ from typing import Any, Literal
 
 from longalign.attention import BACKENDS
 from longalign.batching import WEIGHTINGS
-from longalign.errors import ConfigError, InputError
+from longalign.errors import ConfigError, InputError, did_you_mean
 from longalign.labels import IGNORE_INDEX
 from longalign.packing import STRATEGIES
 from longalign.sources import Source
@@ -110,7 +110,7 @@ class DataConfig:
                 raise ConfigError(f"{where}: a table with at least a path")
             for key, value in table.items():
                 if key not in fields:
-                    raise ConfigError(f"{where}.{key}: unknown key{_suggest(key, fields)}")
+                    raise ConfigError(f"{where}.{key}: unknown key{did_you_mean(key, fields)}")
                 hint = typing.get_type_hints(Source)[key]
                 if not _matches(value, hint):
                     raise ConfigError(
@@ -176,12 +176,23 @@ class ModelConfig:
     attn_backend: str = "auto"  # auto (the fastest that runs) | flash_attn | flash_attn_cute | ...
     torch_dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     save_format: str = "auto"  # auto: the layout the model was loaded in (ChatGLM stays ChatGLM) | native
+    # Settings of the checkpoint's config changed before its weights load, and saved with the trained model:
+    # RoPE past the checkpoint's window, e.g. { max_position_embeddings = 1048576, rope_parameters =
+    # { rope_type = "yarn", factor = 8.0 } }, or a new rope_theta (longalign.checkpoints.override_config).
+    config_overrides: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.model_name_or_path and self.init_from_config is None:
             raise ConfigError("model: set model_name_or_path, or init_from_config for a random model")
         if self.init_from_config is not None:
             _check_model_settings(self.init_from_config)
+            if self.config_overrides:
+                raise ConfigError(
+                    "model.config_overrides: changes a pretrained checkpoint's config; a random model takes "
+                    "these settings in model.init_from_config"
+                )
+        if "model_type" in self.config_overrides:
+            raise ConfigError("model.config_overrides.model_type: the checkpoint's model type cannot change")
         if self.attn_backend not in ("auto", *BACKENDS):
             raise ConfigError(
                 f"model.attn_backend: {self.attn_backend!r} is not one of auto, {', '.join(BACKENDS)}"
@@ -194,7 +205,15 @@ class ModelConfig:
             )
 
 
-def _check_model_settings(settings: dict[str, Any]) -> None:
+def check_config_overrides(overrides: Mapping[str, Any], model_type: str) -> None:
+    """``config_overrides`` keys must mean something to the checkpoint's config (of ``model_type``): a typo
+    is an error naming the key, as in ``init_from_config``."""
+    # RoPE tables are checked against the checkpoint's own (checkpoints.override_config), not a default one.
+    rest = {key: value for key, value in overrides.items() if key != "rope_parameters"}
+    _check_model_settings({"model_type": model_type, **rest}, where="model.config_overrides")
+
+
+def _check_model_settings(settings: Mapping[str, Any], where: str = "model.init_from_config") -> None:
     """``init_from_config`` keys must mean something to the model type's config: a typo is an error.
 
     A key that the config neither has as a field nor consumes (``rope_theta`` is folded into
@@ -203,24 +222,26 @@ def _check_model_settings(settings: dict[str, Any]) -> None:
     from transformers import CONFIG_MAPPING, AutoConfig
 
     if "model_type" not in settings:
-        raise ConfigError("model.init_from_config: needs a 'model_type' key (e.g. 'llama')")
-    rest = {key: value for key, value in settings.items() if key != "model_type"}
+        raise ConfigError(f"{where}: needs a 'model_type' key (e.g. 'llama')")
+    # A deep copy: transformers fills defaults into the tables it is given (rope_parameters).
+    rest = copy.deepcopy({key: value for key, value in settings.items() if key != "model_type"})
     if settings["model_type"] not in CONFIG_MAPPING:
         raise ConfigError(
-            f"model.init_from_config.model_type: unknown model type {settings['model_type']!r}"
-            + _suggest(str(settings["model_type"]), list(CONFIG_MAPPING))
+            f"{where}.model_type: unknown model type {settings['model_type']!r}"
+            + did_you_mean(str(settings["model_type"]), list(CONFIG_MAPPING))
         )
     try:
         fresh = AutoConfig.for_model(settings["model_type"])
         built = AutoConfig.for_model(settings["model_type"], **rest)
-    except (ValueError, TypeError) as err:
-        message = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise ConfigError(f"model.init_from_config: {message}") from None
+    except (ValueError, TypeError, KeyError) as err:
+        text = err.args[0] if isinstance(err, KeyError) and err.args else err  # a KeyError's str is quoted
+        message = (str(text).strip().splitlines() or [type(err).__name__])[0]
+        raise ConfigError(f"{where}: {message}") from None
     known = set(vars(fresh)) | set(fresh.attribute_map)
     for key in rest:
         if key in vars(built) and key not in known:
             raise ConfigError(
-                f"model.init_from_config.{key}: not a field of {type(fresh).__name__}{_suggest(key, sorted(known))}"
+                f"{where}.{key}: not a field of {type(fresh).__name__}{did_you_mean(key, sorted(known))}"
             )
 
 
@@ -534,7 +555,7 @@ def _check_value(key: str, value: Any, written: str) -> None:
     names = [f.name for f in dataclasses.fields(cls) if f.init and f.name != "args"]
     if name not in names:
         choices = names + [k.partition(".")[2] for k in ALIASES if k.startswith(section + ".")]
-        raise ConfigError(f"{written}: unknown key{_suggest(name, choices)}")
+        raise ConfigError(f"{written}: unknown key{did_you_mean(name, choices)}")
     if not _matches(value, hints[name]):
         raise ConfigError(
             f"{written}: expected {_describe(hints[name])}, got {type(value).__name__} {value!r}"
@@ -547,7 +568,9 @@ def _check_training_arg(name: str, value: Any, written: str) -> None:
     fields = {f.name: f for f in dataclasses.fields(TrainingArguments) if f.init}
     if name not in fields:
         choices = list(fields) + [k.partition(".")[2] for k in ALIASES if k.startswith("training.")]
-        raise ConfigError(f"{written}: unknown key (not a TrainingArguments field){_suggest(name, choices)}")
+        raise ConfigError(
+            f"{written}: unknown key (not a TrainingArguments field){did_you_mean(name, choices)}"
+        )
     if name in RESERVED_TRAINING_ARGS:
         needed, why = RESERVED_TRAINING_ARGS[name]
         if value != needed:
@@ -605,8 +628,3 @@ def _shown(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     return f'"{value}"' if isinstance(value, str) else repr(value)
-
-
-def _suggest(key: str, choices: list[str]) -> str:
-    close = difflib.get_close_matches(key, choices, n=1)
-    return f"; did you mean {close[0]!r}?" if close else ""

@@ -12,6 +12,8 @@ The subclasses also derive from the built-in error of the same meaning, so ``exc
 
 from __future__ import annotations
 
+import difflib
+
 
 class LongAlignError(Exception):
     """Base class: a problem with the user's input, settings, paths or models, said in one line."""
@@ -31,3 +33,13 @@ class ModelError(LongAlignError, ValueError):
 
 class PathError(LongAlignError, OSError):
     """A path the user named is missing, of the wrong kind, or not writable."""
+
+
+def did_you_mean(key: str, choices: list[str]) -> str:
+    """The end of an error about an unknown ``key``: ``"; did you mean 'factor'?"``, or ``""``.
+
+    >>> did_you_mean("factr", ["factor", "rope_type"])
+    "; did you mean 'factor'?"
+    """
+    close = difflib.get_close_matches(key, choices, n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""

@@ -288,10 +288,13 @@ def merge_adapter(
 
     The base is ``base_model``, else the one ``adapter_config.json`` names: the hub model or directory
     the run started from, or for a random ``init_from_config`` base the copy the run saved as
-    ``output_dir/base_model``. A QLoRA adapter merges into the base in ``dtype``, unquantized. The
-    output follows the rules of every stage's ``--output``; the result loads with
-    ``AutoModelForCausalLM.from_pretrained``, or for a ChatGLM-layout base is written in that layout (its
-    config, tokenizer and code files copied), whichever layout the adapter was saved in.
+    ``output_dir/base_model``. The base is built with the run's ``config_overrides`` (RoPE past its
+    window), which the run noted next to the adapter, so the merged model carries them. A QLoRA adapter
+    merges into the base in ``dtype``, unquantized. The output follows the rules of every stage's
+    ``--output``; the result loads with ``AutoModelForCausalLM.from_pretrained``, or for a ChatGLM-layout
+    base is written in that layout (its config, tokenizer and code files copied), whichever layout the
+    adapter was saved in, unless the overrides are more than that layout holds (YaRN, trained with
+    ``model.save_format = "native"``).
     """
     adapter_dir = Path(adapter_dir)
     if not (adapter_dir / "adapter_config.json").is_file():
@@ -308,7 +311,10 @@ def merge_adapter(
         stage_output(output_dir, stage="merge", inputs=[adapter_dir]) as staging,
         tempfile.TemporaryDirectory() as tmp,
     ):
-        model = checkpoints.load_model(base, dtype=dtype if dtype == "auto" else getattr(torch, dtype))
+        config = checkpoints.adapter_base_config(adapter_dir, base)  # the run's config_overrides, if any
+        model = checkpoints.load_model(
+            base, config=config, dtype=dtype if dtype == "auto" else getattr(torch, dtype)
+        )
         adapter = str(adapter_dir)
         if checkpoints.is_chatglm_adapter(adapter_dir):  # peft loads it onto GlmForCausalLM's names
             for name in ("adapter_model.safetensors", "adapter_config.json"):
@@ -318,8 +324,10 @@ def merge_adapter(
         merged = peft.PeftModel.from_pretrained(model, adapter).merge_and_unload()
         # The run switched the KV cache off for packed training; generation wants it back.
         merged.config.use_cache = True
-        if checkpoint.layout == checkpoints.CHATGLM:
-            checkpoints.save_chatglm(merged.state_dict(), staging, source=checkpoint.path)
+        if checkpoint.layout == checkpoints.CHATGLM and getattr(merged.config, checkpoints.RECORD_KEY, None):
+            checkpoints.save_chatglm(
+                merged.state_dict(), staging, source=checkpoint.path, config=merged.config
+            )
         else:
             merged.save_pretrained(staging)
             if (adapter_dir / "tokenizer_config.json").is_file():

@@ -519,11 +519,14 @@ def rank_checks(
     env_names: Sequence[str] = DEFAULT_ENV,
     environ: Mapping[str, str] | None = None,
     parallelism: Callable[[], Check] | None = None,
+    overrides_note: Callable[[], str | None] | None = None,
 ) -> list[Check]:
     """Everything this rank reports. Loaders are called here, so a rank that cannot load still reports.
 
     ``batch_size`` is the packs per micro-batch, which decides how packs are dealt to groups;
-    ``parallelism`` makes the row of what runs (see :func:`parallelism_row`).
+    ``parallelism`` makes the row of what runs (see :func:`parallelism_row`); ``overrides_note`` says what
+    ``model.config_overrides`` change in the model's config (``longalign.run.overrides_note``), a row of
+    its own when the run has them.
     """
     environ = os.environ if environ is None else environ
     checks = version_checks()
@@ -534,6 +537,8 @@ def rank_checks(
     checks.append(config_check(cfg))
     if cfg.model.model_name_or_path:
         checks.append(attempt("model layout", lambda: layout_check(cfg)))
+    if cfg.model.config_overrides and overrides_note is not None:
+        checks.append(attempt("config overrides", lambda: Check("config overrides", overrides_note() or "")))
     checks.append(attempt("tokenizer", lambda: tokenizer_check(load_tokenizer()), FIX_TOKENIZER))
     fix = FIX_DATASET.format(key="train_file")
     checks.append(attempt("dataset", lambda: packs_check("dataset", load_packs(), "train_file"), fix))
@@ -630,8 +635,14 @@ def compute_dtype(model_dtype: torch.dtype, *, bf16: bool, fp16: bool) -> torch.
     return torch.bfloat16 if bf16 else torch.float16 if fp16 else model_dtype
 
 
-def check_trainer(trainer: Any, cfg: Config, env_names: Sequence[str] = DEFAULT_ENV) -> PreflightReport:
-    """The preflight of a built ``LongAlignTrainer``: its tokenizer, packs, device, precision and engine."""
+def check_trainer(
+    trainer: Any,
+    cfg: Config,
+    env_names: Sequence[str] = DEFAULT_ENV,
+    overrides_note: Callable[[], str | None] | None = None,
+) -> PreflightReport:
+    """The preflight of a built ``LongAlignTrainer``: its tokenizer, packs, device, precision and engine
+    (``overrides_note``: see :func:`rank_checks`)."""
     args = trainer.args
     return run_preflight(
         cfg,
@@ -645,6 +656,7 @@ def check_trainer(trainer: Any, cfg: Config, env_names: Sequence[str] = DEFAULT_
         parallelism=lambda: parallelism_row(
             trainer.accelerator, args, sequence_parallel_size=cfg.training.sequence_parallel_size
         ),
+        overrides_note=overrides_note,
     )
 
 

@@ -40,7 +40,7 @@ from longalign.config import Config
 from longalign.errors import ConfigError
 from longalign.probe_step import ERROR, FITS, OUT_OF_MEMORY
 from longalign.redact import redact_override
-from longalign.run import load_tokenizer
+from longalign.run import load_tokenizer, model_config, overrides_note
 
 _LENGTH = re.compile(r"(\d+)([km]?)", re.IGNORECASE)
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)", re.IGNORECASE)
@@ -105,19 +105,22 @@ def format_bytes(size: float | None) -> str:
     return f"{size:.0f} B" if power == 0 else f"{size:.2f} {units[power]}"
 
 
-def synthetic_seq_lens(total: int, *, seed: int = 0, shortest: int = 128) -> list[int]:
+def synthetic_seq_lens(
+    total: int, *, seed: int = 0, shortest: int = 128, longest: int | None = None
+) -> list[int]:
     """Sample lengths that fill exactly ``total`` tokens: a seeded long-tail mix, as in real SFT data.
 
-    Lengths are drawn log-uniform between ``shortest`` and ``total`` (as many samples of 128-256 tokens
-    as of 8k-16k, so most samples are short and most tokens sit in a few long ones); the last one is
-    cut to fill the pack exactly.
+    Lengths are drawn log-uniform between ``shortest`` and ``longest`` (default ``total``: as many samples
+    of 128-256 tokens as of 8k-16k, so most samples are short and most tokens sit in a few long ones); the
+    last one is cut to fill the pack exactly.
 
     >>> lens = synthetic_seq_lens(16384, seed=0)
     >>> sum(lens), min(lens) > 0, max(lens) <= 16384
     (16384, True, True)
     """
     rng = np.random.default_rng([seed, total])
-    low, high = np.log(min(shortest, total)), np.log(total)
+    longest = min(longest or total, total)
+    low, high = np.log(min(shortest, longest)), np.log(longest)
     seq_lens, left = [], total
     while left:
         length = min(int(np.exp(rng.uniform(low, high))), left)
@@ -126,8 +129,11 @@ def synthetic_seq_lens(total: int, *, seed: int = 0, shortest: int = 128) -> lis
     return seq_lens
 
 
-def synthetic_pack(total: int, *, vocab_size: int, seed: int = 0) -> dict[str, list[int]]:
-    """A pack row of exactly ``total`` random tokens with :func:`synthetic_seq_lens` samples.
+def synthetic_pack(
+    total: int, *, vocab_size: int, seed: int = 0, longest: int | None = None
+) -> dict[str, list[int]]:
+    """A pack row of exactly ``total`` random tokens with :func:`synthetic_seq_lens` samples of at most
+    ``longest`` tokens (the model's window: the run refuses longer samples).
 
     Every token is a target, the most the loss can cost::
 
@@ -136,7 +142,7 @@ def synthetic_pack(total: int, *, vocab_size: int, seed: int = 0) -> dict[str, l
         labels      t0 t1 t2 t3 | t4 t5 t6     (the collator masks each sample's first label)
         cu_seqlens  [0, 4, 7]
     """
-    seq_lens = synthetic_seq_lens(total, seed=seed)
+    seq_lens = synthetic_seq_lens(total, seed=seed, longest=longest)
     ids = np.random.default_rng([seed, total, vocab_size]).integers(0, vocab_size, total).tolist()
     return {
         "input_ids": ids,
@@ -415,13 +421,17 @@ def ladder(request: ProbeRequest, cfg: Config, say: Callable[[str], None]) -> in
     )
     if note:
         ranks.say(f"model: {note}")
+    if mc.config_overrides:
+        ranks.say(f"model config_overrides: {overrides_note(cfg)}")
+    # No synthetic sample longer than the model's window, which the run would refuse.
+    window = getattr(model_config(cfg).get_text_config(), "max_position_embeddings", None)
     compare = request.compare_full
     ranks.say(format_row(None, compare_full=compare))
     full_fits = compare  # full fine-tuning is run until its first failure
     # The steps' files live next to the report: a killed probe's are removed by the next one there.
     with staging_dir(request.output.resolve().parent, request.output.name) as tmp:
         for length in request.lengths:
-            pack = synthetic_pack(length, vocab_size=vocab_size, seed=request.seed)
+            pack = synthetic_pack(length, vocab_size=vocab_size, seed=request.seed, longest=window)
             work = Path(tmp) / format_length(length)
             datasets.Dataset.from_list([pack] * (per_rank * groups)).save_to_disk(str(work / "packs"))
             result = _run_length(request, length, work, ranks)

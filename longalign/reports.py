@@ -110,6 +110,8 @@ def dry_run_summary(result: dict) -> str:
     lines += [
         f"  {key:<{width}}  {toml_value(value):<24}  {source}" for key, value, source in result["settings"]
     ]
+    if result["config_overrides"]:
+        lines += ["", f"model config_overrides: {result['config_overrides']}"]
     for which, entry in result["data"].items():
         lines += ["", f"{which} data: {entry['path']}"]
         if entry["pre_tokenize"]:

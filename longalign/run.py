@@ -20,6 +20,7 @@ import dataclasses
 import gc
 import importlib.util
 import json
+import math
 import os
 import traceback
 from collections.abc import Mapping, Sequence
@@ -39,7 +40,7 @@ from longalign import checkpoints
 from longalign.artifacts import REPORT_NAME, load_stage, read_report
 from longalign.batching import EXACT_WEIGHTINGS, packs_fingerprint
 from longalign.chat_template import open_tokenizer
-from longalign.config import RESERVED_TRAINING_ARGS, Config, LoraConfig
+from longalign.config import RESERVED_TRAINING_ARGS, Config, LoraConfig, check_config_overrides
 from longalign.errors import ConfigError, InputError, LongAlignError
 from longalign.fingerprints import digest, tokenizer_digests
 from longalign.labels import IGNORE_INDEX
@@ -82,12 +83,35 @@ def load_tokenizer(cfg: Config):
 
 
 def model_config(cfg: Config):
-    """The model's transformers config: built from ``init_from_config``, or read from the checkpoint."""
+    """The model's transformers config: built from ``init_from_config``, or read from the checkpoint with
+    ``config_overrides`` applied (``checkpoints.override_config``)."""
     mc = cfg.model
     if mc.init_from_config is not None:
         settings = dict(mc.init_from_config)
         return AutoConfig.for_model(settings.pop("model_type"), **settings)
-    return checkpoints.model_config(mc.model_name_or_path, trust_remote_code=mc.trust_remote_code)
+    config = checkpoints.model_config(mc.model_name_or_path, trust_remote_code=mc.trust_remote_code)
+    if not mc.config_overrides:
+        return config
+    check_config_overrides(mc.config_overrides, config.model_type)
+    return checkpoints.override_config(config, mc.config_overrides, save_format=mc.save_format)
+
+
+def overrides_note(cfg: Config) -> str | None:
+    """What ``model.config_overrides`` change, read from the config files alone; ``None`` without overrides.
+
+    ``max_position_embeddings 1024 -> 4096; rope_parameters {"rope_theta": 10000.0, "rope_type": "default"}
+    -> {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 1024}``
+    """
+    mc = cfg.model
+    if not mc.config_overrides:
+        return None
+    before = checkpoints.model_config(mc.model_name_or_path, trust_remote_code=mc.trust_remote_code)
+    after = model_config(cfg)
+    return "; ".join(
+        f"{key} {json.dumps(checkpoints.config_value(before, key))} -> "
+        f"{json.dumps(checkpoints.config_value(after, key))}"
+        for key in mc.config_overrides
+    )
 
 
 def model_dtype(cfg: Config) -> torch.dtype:
@@ -127,7 +151,11 @@ def load_model(cfg: Config, device: torch.device | None = None) -> torch.nn.Modu
 
             extra = quantization(cfg.lora, dtype=dtype, device=device or torch.device("cpu"))
         model = checkpoints.load_model(
-            mc.model_name_or_path, dtype=dtype, trust_remote_code=mc.trust_remote_code, **extra
+            mc.model_name_or_path,
+            config=model_config(cfg),
+            dtype=dtype,
+            trust_remote_code=mc.trust_remote_code,
+            **extra,
         )
     return longalign.patch.apply(
         model, backend=mc.attn_backend, sequence_parallel_size=cfg.training.sequence_parallel_size
@@ -309,6 +337,32 @@ def check_vocabulary(model: torch.nn.Module | int, packs, path: str) -> None:
         )
 
 
+def check_positions(config, packs, path: str, cfg: Config) -> None:
+    """Every sample of ``packs`` must fit the model's window (``max_position_embeddings`` of ``config``).
+
+    Positions restart with each sample, so it is the longest sample, not the pack, that must fit: a pack of
+    4096 tokens holding samples of up to 1024 trains on a 1024-token window as it is. The refusal names
+    the override that would make the window long enough.
+    """
+    window = getattr(config.get_text_config(), "max_position_embeddings", None)
+    longest = pc.max(pc.list_flatten(packs.data.column("seq_lens"))).as_py()
+    if window is None or longest is None or longest <= window:
+        return
+    if cfg.model.init_from_config is not None:
+        fix = f"raise max_position_embeddings in model.init_from_config to {longest} or more"
+    else:
+        factor = 2 ** math.ceil(math.log2(longest / window))
+        fix = (
+            f"extend it with model.config_overrides = {{ max_position_embeddings = {window * factor}, "
+            f'rope_parameters = {{ rope_type = "yarn", factor = {factor:.1f} }} }}, or leave the longer samples '
+            f"out (data.max_seq_len_filter = {window})"
+        )
+    raise ConfigError(
+        f"{path}: samples of up to {longest} tokens are longer than the model's max_position_embeddings = "
+        f"{window} (positions restart with each sample: each sample must fit); {fix}"
+    )
+
+
 def run_record(cfg: Config, args: TrainingArguments, packs) -> dict[str, Any]:
     """What a checkpoint records of its run: ``decides`` must match on resume, ``kept`` is restored as saved.
 
@@ -354,6 +408,9 @@ def adapter_record(cfg: Config) -> dict[str, Any]:
     record = {f"lora.{key}": value for key, value in settings.items()}
     base = cfg.model.model_name_or_path or json.dumps(cfg.model.init_from_config, sort_keys=True)
     record["lora.base_model"] = base if cfg.lora is not None else None
+    # Recorded only when set, so that checkpoints from before the setting existed still resume.
+    if cfg.lora is not None and cfg.model.config_overrides:
+        record["lora.base_config_overrides"] = cfg.model.config_overrides
     return record
 
 
@@ -395,6 +452,10 @@ def build_trainer(cfg: Config) -> LongAlignTrainer:
     # The data first: a problem with it shows before the weights are loaded.
     train_packs = resolve_packs("train", cfg, args, tokenizer)
     eval_packs = resolve_packs("eval", cfg, args, tokenizer) if cfg.data.eval_file else None
+    config = model_config(cfg)
+    check_positions(config, train_packs, "the training data", cfg)
+    if eval_packs is not None:
+        check_positions(config, eval_packs, "the eval data", cfg)
     transformers.set_seed(args.seed)
     model = load_model(cfg, args.device)
     check_vocabulary(model, train_packs, "the training data")
@@ -421,7 +482,18 @@ def build_trainer(cfg: Config) -> LongAlignTrainer:
         sequence_parallel_size=cfg.training.sequence_parallel_size,
         run_record=json.loads(json.dumps(run_record(cfg, args, train_packs), default=str)),
         save_layout=final_saver(cfg),
+        save_with_model=adapter_files(cfg),
     )
+
+
+def adapter_files(cfg: Config) -> dict[str, Any]:
+    """Files a ``[lora]`` run writes next to every adapter it saves: the base's ``config_overrides``, which
+    merging and eval apply to the base (``checkpoints.adapter_base_config``). A full model carries them in
+    its own config."""
+    mc = cfg.model
+    if cfg.lora is None or not mc.config_overrides:
+        return {}
+    return {checkpoints.OVERRIDES_RECORD: checkpoints.overrides_record(mc.config_overrides, mc.save_format)}
 
 
 def final_saver(cfg: Config):
@@ -454,7 +526,8 @@ def train(cfg: Config) -> int:
 
 def _lifecycle(trainer: LongAlignTrainer, cfg: Config) -> int:
     if preflight_enabled(cfg.training.preflight, trainer.args.world_size):
-        report = check_trainer(trainer, cfg)  # every rank takes part; all stop here if any disagrees
+        # Every rank takes part; all stop here if any disagrees.
+        report = check_trainer(trainer, cfg, overrides_note=lambda: overrides_note(cfg))
         if trainer.is_world_process_zero():
             print(report, flush=True)
         if not report.ok:
@@ -466,6 +539,8 @@ def _lifecycle(trainer: LongAlignTrainer, cfg: Config) -> int:
         )
         if note:
             print(f"model: {note}", flush=True)
+        if mc.config_overrides:
+            print(f"model config_overrides: {overrides_note(cfg)}", flush=True)
         print(parameter_summary(trainer.model), flush=True)
     resume = resume_point(trainer, cfg)
     try:
@@ -558,10 +633,11 @@ def _step_of(path: Path) -> int:
 def dry_run(cfg: Config) -> dict[str, Any]:
     """Everything but the training, as far as this machine can check it, with no download.
 
-    Returns ``{"settings": [(key, value, source), ...], "data": {"train": {...}, "eval": {...}},
-    "needs_gpu": [...], "not_checked": [...]}``: each data entry has the packed directory and the
-    pre-tokenize and pack reports (those that exist). No model weights are loaded; the vocabulary check
-    reads the model's config alone. What cannot be checked here is listed, one line each, instead of
+    Returns ``{"settings": [(key, value, source), ...], "config_overrides": note or None, "data": {"train":
+    {...}, "eval": {...}}, "needs_gpu": [...], "not_checked": [...]}``: each data entry has the packed
+    directory and the pre-tokenize and pack reports (those that exist); the note says what
+    ``model.config_overrides`` change (:func:`overrides_note`). No model weights are loaded; the checks of
+    the data's token ids (vocabulary) and sample lengths (window) read the model's config alone. What cannot be checked here is listed, one line each, instead of
     failing: settings that need a GPU on a machine without one (``needs_gpu``), and a tokenizer or model
     config that is neither a local directory nor in the Hugging Face cache, or data files that are not
     on this machine (``not_checked``). A machine where people plan GPU jobs has neither GPU nor data.
@@ -570,7 +646,7 @@ def dry_run(cfg: Config) -> dict[str, Any]:
     not_checked: list[str] = []
     try:
         tokenizer = _local_tokenizer(cfg, not_checked)
-        vocab_size = _local_vocab_size(cfg, not_checked)
+        config = _local_model_config(cfg, not_checked)
         data = {}
         for which in ("train", "eval") if cfg.data.eval_file else ("train",):
             sources = cfg.data.train_sources() if which == "train" else [Source(cfg.data.eval_file)]
@@ -587,8 +663,9 @@ def dry_run(cfg: Config) -> dict[str, Any]:
                 continue
             path = prepare(which, cfg, args, tokenizer)
             packs = check_packs(load_stage(path), str(path), cfg)
-            if vocab_size is not None:
-                check_vocabulary(vocab_size, packs, f"the {which} data")
+            if config is not None:
+                check_vocabulary(config.get_text_config().vocab_size, packs, f"the {which} data")
+                check_positions(config, packs, f"the {which} data", cfg)
             reports = {"pack": read_report(path) if (path / REPORT_NAME).exists() else None}
             tokenized = Path(reports["pack"]["input"]) if reports["pack"] else None
             reports["pre_tokenize"] = (
@@ -597,6 +674,7 @@ def dry_run(cfg: Config) -> dict[str, Any]:
             data[which] = {"path": str(path), **reports}
         return {
             "settings": resolved_settings(cfg),
+            "config_overrides": overrides_note(_local_model(cfg)) if config is not None else None,
             "data": data,
             "needs_gpu": needs_gpu,
             "not_checked": not_checked,
@@ -661,19 +739,24 @@ def _local_tokenizer(cfg: Config, not_checked: list[str]):
     )
 
 
-def _local_vocab_size(cfg: Config, not_checked: list[str]) -> int | None:
-    """The model's vocabulary size from its config, read locally; ``None`` (and a line in ``not_checked``) if absent."""
-    name = cfg.model.model_name_or_path
-    if cfg.model.init_from_config is None:
-        where = checkpoints.local_dir(name)
-        if where is None:
-            not_checked.append(
-                f"model {name}: its config.json is not a local file nor in the Hugging Face cache, so the data's "
-                "token ids were not checked against its vocabulary"
-            )
-            return None
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, model_name_or_path=str(where)))
-    return model_config(cfg).get_text_config().vocab_size
+def _local_model_config(cfg: Config, not_checked: list[str]):
+    """The model's config (overrides applied), read locally; ``None`` (and a line in ``not_checked``) if absent."""
+    if cfg.model.init_from_config is None and checkpoints.local_dir(cfg.model.model_name_or_path) is None:
+        not_checked.append(
+            f"model {cfg.model.model_name_or_path}: its config.json is not a local file nor in the Hugging Face "
+            "cache, so the data's token ids and sample lengths were not checked against its vocabulary and "
+            "window" + (", nor its config_overrides" if cfg.model.config_overrides else "")
+        )
+        return None
+    return model_config(_local_model(cfg))
+
+
+def _local_model(cfg: Config) -> Config:
+    """``cfg`` naming its checkpoint by the local directory that holds it (a Hub id in the cache)."""
+    if cfg.model.init_from_config is not None:
+        return cfg
+    where = str(checkpoints.local_dir(cfg.model.model_name_or_path))
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, model_name_or_path=where))
 
 
 def _missing(path: str) -> bool:
@@ -715,6 +798,7 @@ def preflight(cfg: Config, env_names: Sequence[str] = DEFAULT_ENV) -> PreflightR
             parallelism=lambda: parallelism_row(
                 accelerator, args, sequence_parallel_size=cfg.training.sequence_parallel_size
             ),
+            overrides_note=lambda: overrides_note(cfg),
         )
     finally:
         close()

@@ -74,6 +74,7 @@ class LongAlignTrainer(Trainer):
         sequence_parallel_size: int = 1,
         run_record: dict[str, Any] | None = None,
         save_layout: Callable[[torch.nn.Module, Path, Mapping[str, torch.Tensor] | None], None] | None = None,
+        save_with_model: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         data_collator = kwargs.pop("data_collator", None)
@@ -93,6 +94,7 @@ class LongAlignTrainer(Trainer):
         self.pack_seed = pack_seed
         self.run_record = run_record or {}
         self.save_layout = save_layout  # writes the final model in another layout (longalign.checkpoints)
+        self.save_with_model = dict(save_with_model or {})  # JSON files next to every saved model or adapter
         self._checkpointing = False
         self._window = {"tokens": 0.0, "samples": 0.0, "packs": 0.0, "steps": 0, "start": 0.0}
 
@@ -155,17 +157,20 @@ class LongAlignTrainer(Trainer):
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """Save as transformers does, but the final model through ``save_layout`` when one is given.
 
-        Checkpoints stay in transformers' layout: a resume loads them into the model as it is.
+        Checkpoints stay in transformers' layout: a resume loads them into the model as it is. Either way
+        the ``save_with_model`` files are written next to it.
         """
-        if self.save_layout is None or self._checkpointing:
-            return super()._save(output_dir, state_dict)
-        if not self.args.should_save:
-            return
         output = Path(output_dir or self.args.output_dir)
-        self.save_layout(
-            self.accelerator.unwrap_model(self.model, keep_torch_compile=False), output, state_dict
-        )
-        torch.save(self.args, output / TRAINING_ARGS_NAME)
+        if self.save_layout is None or self._checkpointing:
+            super()._save(output_dir, state_dict)
+        elif self.args.should_save:
+            self.save_layout(
+                self.accelerator.unwrap_model(self.model, keep_torch_compile=False), output, state_dict
+            )
+            torch.save(self.args, output / TRAINING_ARGS_NAME)
+        if self.args.should_save:
+            for name, content in self.save_with_model.items():
+                write_json(output / name, content)
 
     # --- loss ------------------------------------------------------------------------------------------
 

@@ -148,6 +148,34 @@ def save_packs(path: Path, rows: list[dict]) -> Path:
     return path
 
 
+def window_packs(path: Path, *, vocab_size: int) -> Path:
+    """4096-token packs of random tokens whose samples run past a 1024-token window (up to 4096 tokens)."""
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for seq_lens in ([4096], [3000, 1096], [1000, 2000, 1096]):
+        samples = [torch.randint(0, vocab_size, (n,), generator=gen).tolist() for n in seq_lens]
+        rows.append(pack_row([(ids, ids) for ids in samples]))
+    return save_packs(path, rows)
+
+
+def packed_logits_error(packed_model, alone_model, row: dict) -> float:
+    """The largest relative error between ``packed_model``'s logits on the packed ``row`` (varlen, as the run
+    trains) and ``alone_model``'s on each of its samples alone (as inference runs them)."""
+    from longalign.batching import PackCollator
+
+    batch = PackCollator()([row])
+    keys = ("input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+    starts = row["cu_seqlens"]
+    with torch.no_grad():
+        packed = packed_model(**{key: batch[key] for key in keys}).logits[0]
+        return max(
+            relative_error(
+                alone_model(torch.tensor([row["input_ids"][start:end]])).logits[0], packed[start:end]
+            )
+            for start, end in zip(starts, starts[1:], strict=False)
+        )
+
+
 def make_samples(lengths: list[int], seed: int = 0, sources: list[int] | None = None) -> dict[str, list]:
     """Pre-tokenize-shaped columns with random tokens, some labels masked, lines 1-based with gaps."""
     rng = np.random.default_rng(seed)

@@ -15,9 +15,19 @@ import shutil
 import sys
 from pathlib import Path
 
+import datasets
 import pytest
 import torch
-from conftest import ROOT, SAMPLE, run_process
+from conftest import (
+    FLOAT64_BOUND,
+    ROOT,
+    SAMPLE,
+    packed_logits_error,
+    relative_error,
+    run_process,
+    tiny_model,
+    window_packs,
+)
 from safetensors.torch import load_file, save_file
 from transformers import GlmConfig, GlmForCausalLM
 
@@ -656,3 +666,154 @@ def test_save_format_names_its_values(tmp_path):
     run_file.write_text('[model]\nmodel_name_or_path = "x"\nsave_format = "chatglm3"\n')
     with pytest.raises(ConfigError, match="model.save_format: 'chatglm3' is not one of auto, native"):
         load_config(run_file, [])
+
+
+# --- config overrides ----------------------------------------------------------------------------------
+
+
+def llama_checkpoint(path: Path) -> Path:
+    """A tiny random Llama saved as a pretrained checkpoint, with a 1024-token window and RoPE base 500k."""
+    tiny_model(max_position_embeddings=1024, rope_theta=500000.0).save_pretrained(path)
+    return path
+
+
+def test_yarn_replaces_the_scaling_and_keeps_the_base_and_the_window_it_starts_from(tmp_path):
+    config = checkpoints.model_config(str(llama_checkpoint(tmp_path / "llama")))
+    overrides = {"max_position_embeddings": 4096, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}
+    yarn = checkpoints.override_config(config, overrides)
+    assert yarn.max_position_embeddings == 4096
+    # transformers alone would give a table without rope_theta the default 10000
+    assert yarn.rope_parameters == {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "rope_theta": 500000.0,
+        "original_max_position_embeddings": 1024,
+    }
+    assert overrides == {
+        "max_position_embeddings": 4096,
+        "rope_parameters": {"rope_type": "yarn", "factor": 4.0},
+    }
+    assert config.rope_parameters == {"rope_theta": 500000.0, "rope_type": "default"}  # not changed in place
+    more = checkpoints.override_config(
+        yarn, {"rope_parameters": {"factor": 8.0}, "max_position_embeddings": 8192}
+    )
+    assert (
+        more.rope_parameters["factor"] == 8.0
+        and more.rope_parameters["original_max_position_embeddings"] == 1024
+    )
+    # a top-level rope_theta, which transformers ignores next to a table that has one
+    assert checkpoints.override_config(config, {"rope_theta": 1e6}).rope_parameters == {
+        "rope_theta": 1e6,
+        "rope_type": "default",
+    }
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"rope_parameters": {"rope_type": "yarn", "factr": 4.0}},
+         "model.config_overrides.rope_parameters.factr: not a RoPE setting; did you mean 'factor'?"),
+        ({"rope_parameters": {"rope_type": "yarn"}},
+         "model.config_overrides: Missing required keys in `rope_parameters` for 'rope_type'='yarn': {'factor'}"),
+        ({"rope_parameters": {"factor": 2.0}},  # the checkpoint's plain RoPE has no factor
+         "model.config_overrides.rope_parameters: Unrecognized keys in `rope_parameters` for 'rope_type'='default': "
+         "{'factor'}"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}, "max_position_embeddings": 8192},  # not 4096
+         "model.config_overrides.rope_parameters: The explicitly set RoPE scaling factor"),
+    ],
+)  # fmt: skip
+def test_rope_settings_transformers_would_only_warn_about_are_refused(tmp_path, overrides, message, capsys):
+    config = checkpoints.model_config(str(llama_checkpoint(tmp_path / "llama")))
+    with pytest.raises(ConfigError) as err:
+        checkpoints.override_config(config, overrides)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+    assert "rope_parameters" not in capsys.readouterr().err  # said once, in the error
+
+
+def test_chatglm_overrides_map_back_onto_its_config_json(glm4_dir):
+    config = checkpoints.model_config(str(glm4_dir))
+    overrides = {"rope_theta": 10000.0 * 8, "max_position_embeddings": 8192}
+    longer = checkpoints.override_config(config, overrides)
+    assert longer.rope_parameters == {
+        "rope_theta": 80000.0,
+        "partial_rotary_factor": 0.5,
+        "rope_type": "default",
+    }
+    saved = checkpoints.chatglm_config(longer)
+    original = json.loads((glm4_dir / "config.json").read_text())
+    assert saved == {**original, "rope_ratio": 8.0, "seq_length": 8192}
+
+
+def test_what_the_chatglm_layout_cannot_hold_is_refused_unless_saved_natively(tmp_path, glm4_dir):
+    config = checkpoints.model_config(str(glm4_dir))
+    yarn = {"max_position_embeddings": 8192, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}
+    with pytest.raises(ConfigError) as err:
+        checkpoints.override_config(config, yarn)
+    assert str(err.value) == (
+        "model.config_overrides.rope_parameters: the ChatGLM layout holds plain RoPE on half of each head, base "
+        '10000 x rope_ratio, not rope_parameters = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 30000.0, '
+        '"partial_rotary_factor": 0.5, "original_max_position_embeddings": 2048}; set model.save_format = '
+        '"native" to train and save it as GlmForCausalLM'
+    )
+    with pytest.raises(
+        ConfigError, match="model.config_overrides.hidden_act: the ChatGLM layout has no place"
+    ):
+        checkpoints.override_config(config, {"hidden_act": "gelu"})
+    native = checkpoints.override_config(config, yarn, save_format="native")
+    assert native.rope_parameters["rope_type"] == "yarn" and not hasattr(native, checkpoints.RECORD_KEY)
+    GlmForCausalLM(native).save_pretrained(tmp_path / "native")
+    with pytest.raises(ModelError, match="the ChatGLM layout rotates half of each head with plain RoPE"):
+        convert(str(tmp_path / "native"), tmp_path / "chatglm")
+
+
+@pytest.mark.integration
+def test_a_chatglm_checkpoint_trains_past_its_window_with_a_new_base_and_is_saved_back_with_it(
+    tmp_path, glm4_dir
+):
+    from longalign.config import load_config
+    from longalign.run import build_trainer, close, release
+
+    def run(overrides: str):
+        run_file = tmp_path / "run.toml"
+        run_file.write_text(
+            f"[data]\ntrain_file = '{window_packs(tmp_path / 'packs', vocab_size=VOCAB_RANKS)}'\nmax_seq_len = 4096\n"
+            f"[training]\noutput_dir = '{tmp_path / 'run'}'\nmax_steps = 2\nlearning_rate = 1e-2\nuse_cpu = true\n"
+            "save_steps = 1\nreport_to = 'none'\ndisable_tqdm = true\n"
+            f"[model]\nmodel_name_or_path = '{glm4_dir}'\ntorch_dtype = 'float32'\nattn_backend = 'sdpa_segments'\n"
+            f"config_overrides = {overrides}\n"
+        )
+        return build_trainer(load_config(run_file))
+
+    yarn = '{ max_position_embeddings = 8192, rope_parameters = { rope_type = "yarn", factor = 4.0 } }'
+    with pytest.raises(
+        ConfigError, match='set model.save_format = "native" to train and save it as GlmForCausalLM'
+    ):
+        run(yarn)  # refused before anything is trained
+    trainer = run("{ rope_theta = 80000.0, max_position_embeddings = 4096 }")  # the samples run to 4096
+    trainer.train()
+    trainer.save_model()
+    out = tmp_path / "run"
+    original = json.loads((glm4_dir / "config.json").read_text())
+    assert json.loads((out / "config.json").read_text()) == {
+        **original,
+        "rope_ratio": 8.0,
+        "seq_length": 4096,
+    }
+    assert (out / "tokenizer.model").read_bytes() == (glm4_dir / "tokenizer.model").read_bytes()
+    back = checkpoints.convert(str(out / "checkpoint-2"), tmp_path / "from-checkpoint")  # native -> ChatGLM
+    assert (
+        back == "chatglm"
+        and json.loads((tmp_path / "from-checkpoint" / "config.json").read_text())["rope_ratio"] == 8.0
+    )
+    row = datasets.load_from_disk(str(tmp_path / "packs"))[1]  # samples of 3000 and 1096 tokens
+    training_model = trainer.model.double().eval()
+    loaded = load_model(str(out), dtype=torch.float64).eval()  # as longalign eval loads it
+    assert packed_logits_error(training_model, loaded, row) < FLOAT64_BOUND
+    # What the layout's own code computes from the saved config.json: the forward written from the architecture.
+    ids = row["input_ids"][:3000]  # positions past the checkpoint's 2048
+    with torch.no_grad():
+        logits = loaded(input_ids=torch.tensor([ids])).logits[0]
+    saved = json.loads((out / "config.json").read_text())
+    assert relative_error(logits, reference_logits(read_weights(out), saved, ids)) < 1e-5
+    release(trainer)
+    close()

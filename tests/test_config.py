@@ -387,3 +387,23 @@ def test_values_no_run_could_use_are_named(override, message):
 def test_model_settings_the_config_consumes_are_no_typo():
     cfg = load_config(None, [M, 'model.init_from_config={model_type = "llama", rope_theta = 500000.0}'])
     assert cfg.model.init_from_config["rope_theta"] == 500000.0  # folded into rope_parameters, not stray
+
+
+def test_config_overrides_are_for_a_checkpoint_and_checked_against_its_model_type():
+    from longalign.config import check_config_overrides
+
+    random = 'model.init_from_config={model_type = "llama"}'
+    with pytest.raises(ConfigError, match="model.config_overrides: changes a pretrained checkpoint's config"):
+        load_config(None, [random, "model.config_overrides={max_position_embeddings = 4096}"])
+    with pytest.raises(
+        ConfigError, match="model.config_overrides.model_type: the checkpoint's model type cannot"
+    ):
+        load_config(None, ['model.model_name_or_path="x"', 'model.config_overrides={model_type = "glm"}'])
+    with pytest.raises(ConfigError, match="model.config_overrides.max_positions: not a field of GlmConfig"):
+        check_config_overrides({"max_positions": 8192}, "glm")
+    check_config_overrides(
+        {"rope_theta": 1e6, "max_position_embeddings": 8192}, "glm"
+    )  # rope_theta is folded in
+    overrides = {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}
+    check_config_overrides(overrides, "llama")
+    assert overrides == {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}  # left as the user wrote it

@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import (
     DEMO,
+    FLOAT64_BOUND,
     ROOT,
     SAMPLE,
     TOKENIZER,
@@ -19,8 +20,10 @@ from conftest import (
     demo_overrides,
     launch,
     needs_launcher,
+    packed_logits_error,
     save_packs,
     tiny_model,
+    window_packs,
 )
 
 from longalign.artifacts import load_stage, read_report
@@ -457,7 +460,7 @@ def test_a_dry_run_reads_a_cached_model_and_tokenizer_without_the_network(planni
         f"output_dir = '{planning_machine / 'out'}'\n[model]\nmodel_name_or_path = 'org/tiny'\n"
     )
     for vocab_size, status in ((4096, 0), (4000, 2)):  # the shipped tokenizer has 4096 entries
-        tiny_model(vocab_size=vocab_size).config.save_pretrained(snapshot)
+        tiny_model(vocab_size=vocab_size, max_position_embeddings=2048).config.save_pretrained(snapshot)
         assert main(["train", "--config", str(run), "--dry-run"]) == status
         out, err = capsys.readouterr()
         assert "not checked" not in out
@@ -472,3 +475,138 @@ def test_parameter_summary_counts_zero3_shards_at_their_full_size():
         param.data = torch.empty(0)
     model.bias.requires_grad_(False)
     assert parameter_summary(model) == "parameters: 12 trainable of 15 (80.00%)"
+
+
+# --- RoPE past the checkpoint's window: config_overrides -------------------------------------------------
+
+SHIPPED_TOKENIZER = dict(vocab_size=4096, bos_token_id=4088, eos_token_id=4092, pad_token_id=4093)
+YARN = '{ max_position_embeddings = 4096, rope_parameters = { rope_type = "yarn", factor = 4.0 } }'
+TRAINED_YARN = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "rope_theta": 500000.0,
+    "original_max_position_embeddings": 1024,
+}
+
+
+def window_run(tmp_path: Path, overrides: str | None, *extra: str):
+    """The config of two steps on ``window_packs`` from a tiny Llama checkpoint with a 1024-token window."""
+    base = tmp_path / "base"
+    if not base.exists():
+        tiny_model(**SHIPPED_TOKENIZER, max_position_embeddings=1024, rope_theta=500000.0).save_pretrained(
+            base
+        )
+    run_file = tmp_path / "run.toml"
+    run_file.write_text(
+        f"[data]\ntrain_file = '{window_packs(tmp_path / 'packs', vocab_size=4088)}'\nmax_seq_len = 4096\n"
+        f"[training]\noutput_dir = '{tmp_path / 'run'}'\nmax_steps = 2\nlearning_rate = 1e-2\nuse_cpu = true\n"
+        "save_steps = 1\nlogging_steps = 1\nreport_to = 'none'\ndisable_tqdm = true\n"
+        f"[model]\nmodel_name_or_path = '{base}'\ntokenizer = '{TOKENIZER}'\ntorch_dtype = 'float32'\n"
+        "attn_backend = 'sdpa_segments'\n" + (f"config_overrides = {overrides}\n" if overrides else "")
+    )
+    return load_config(run_file, list(extra))
+
+
+@pytest.mark.integration
+def test_a_checkpoint_trains_past_its_window_with_yarn_and_is_saved_with_it(tmp_path):
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    from longalign.eval.models import load_model as load_for_eval
+    from longalign.run import build_trainer, close, release
+
+    trainer = build_trainer(window_run(tmp_path, YARN))
+    trainer.train()
+    trainer.save_model()
+    for saved in (tmp_path / "run", tmp_path / "run" / "checkpoint-2"):
+        config = json.loads((saved / "config.json").read_text())
+        assert config["rope_parameters"] == TRAINED_YARN and config["max_position_embeddings"] == 4096
+        assert load_for_eval(str(saved)).config.rope_parameters == TRAINED_YARN  # what longalign eval scores
+    row = load_stage(tmp_path / "packs")[1]  # samples of 3000 and 1096 tokens
+    training_model = trainer.model.double().eval()
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "run", dtype=torch.float64).eval()
+    assert packed_logits_error(training_model, reloaded, row) < FLOAT64_BOUND
+    without = LlamaForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float64).eval()
+    without.load_state_dict(reloaded.state_dict())  # the trained weights on the 1024-token RoPE
+    assert packed_logits_error(training_model, without, row) > 1e-3  # YaRN made the difference
+    release(trainer)
+    close()
+
+
+@pytest.mark.integration
+def test_adapters_trained_past_the_window_merge_and_evaluate_on_the_yarn_base(tmp_path):
+    from longalign.eval.models import load_model as load_for_eval
+    from longalign.lora import merge_adapter
+    from longalign.run import build_trainer, close, release
+
+    trainer = build_trainer(
+        window_run(tmp_path, YARN, "lora.r=4", "lora.target_modules=['q_proj', 'v_proj']")
+    )
+    trainer.train()
+    trainer.save_model()
+    release(trainer)
+    close()
+    record = {
+        "config_overrides": {
+            "max_position_embeddings": 4096,
+            "rope_parameters": {"rope_type": "yarn", "factor": 4.0},
+        },
+        "save_format": "auto",
+    }
+    for saved in (tmp_path / "run", tmp_path / "run" / "checkpoint-2"):
+        assert json.loads((saved / "config_overrides.json").read_text()) == record
+        assert load_for_eval(str(saved)).config.rope_parameters == TRAINED_YARN
+    merge_adapter(tmp_path / "run", tmp_path / "merged")
+    merged = json.loads((tmp_path / "merged" / "config.json").read_text())
+    assert merged["rope_parameters"] == TRAINED_YARN and merged["max_position_embeddings"] == 4096
+
+
+def test_samples_past_the_window_are_refused_before_the_weights_load_naming_the_override(tmp_path, capsys):
+    from longalign.cli import main
+    from longalign.run import build_trainer
+
+    cfg = window_run(tmp_path, None)
+    with pytest.raises(ConfigError) as err:
+        build_trainer(cfg)
+    assert str(err.value) == (
+        "the training data: samples of up to 4096 tokens are longer than the model's max_position_embeddings = "
+        "1024 (positions restart with each sample: each sample must fit); extend it with model.config_overrides = "
+        '{ max_position_embeddings = 4096, rope_parameters = { rope_type = "yarn", factor = 4.0 } }, or leave the '
+        "longer samples out (data.max_seq_len_filter = 1024)"
+    )
+    assert not (tmp_path / "run").exists()  # refused before anything ran
+    run_file = str(tmp_path / "run.toml")
+    assert (
+        main(["train", "--config", run_file, "--dry-run"]) == 2
+    )  # the dry run reads the config and refuses too
+    assert capsys.readouterr().err.strip().endswith("(data.max_seq_len_filter = 1024)")
+    assert main(["train", "--config", run_file, "--dry-run", f"model.config_overrides={YARN}"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        'model config_overrides: max_position_embeddings 1024 -> 4096; rope_parameters {"rope_theta": 500000.0, '
+        '"rope_type": "default"} -> {"rope_type": "yarn", "factor": 4.0, "rope_theta": 500000.0, '
+        '"original_max_position_embeddings": 1024}'
+    ) in out
+
+
+def test_a_misspelt_override_is_one_line_naming_it(tmp_path, capsys):
+    from longalign.cli import main
+
+    window_run(tmp_path, "{ max_position_embedings = 4096 }")
+    capsys.readouterr()
+    assert main(["train", "--config", str(tmp_path / "run.toml"), "--dry-run"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "longalign train: error: model.config_overrides.max_position_embedings: not a field of LlamaConfig; "
+        "did you mean 'max_position_embeddings'?"
+    )
+
+
+def test_the_preflight_shows_what_the_overrides_change(tmp_path):
+    from longalign.run import preflight
+
+    report = preflight(window_run(tmp_path, YARN))
+    row = next(line for line in str(report).splitlines() if line.startswith("config overrides"))
+    assert row.split()[2] == "ok"
+    assert row.endswith(
+        'max_position_embeddings 1024 -> 4096; rope_parameters {"rope_theta": 500000.0, "rope_type": "default"} -> '
+        '{"rope_type": "yarn", "factor": 4.0, "rope_theta": 500000.0, "original_max_position_embeddings": 1024}'
+    )

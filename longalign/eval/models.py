@@ -125,8 +125,9 @@ def load_model(
     """The model at ``name`` in eval mode on ``device``: a run's output or checkpoint, a hub id, or an adapter.
 
     Checkpoints load as training loads them (``longalign.checkpoints``: a ChatGLM-layout GLM-4 becomes
-    ``GlmForCausalLM``). A ``[lora]`` adapter directory loads its base (as ``adapter_config.json`` names
-    it) with the adapter merged in. ``packed=True`` patches the model for packed rows
+    ``GlmForCausalLM``; the saved config carries the run's ``config_overrides``). A ``[lora]`` adapter
+    directory loads its base (as ``adapter_config.json`` names it, with the overrides the run noted next to
+    the adapter) with the adapter merged in. ``packed=True`` patches the model for packed rows
     (``longalign.patch``) for teacher-forced scoring; otherwise it attends with sdpa and its KV cache,
     for generation.
     """
@@ -137,8 +138,13 @@ def load_model(
     adapter = path.is_dir() and _is_adapter(path)
     source = _adapter_base(path) if adapter else name
     try:
+        config = checkpoints.adapter_base_config(path, source) if adapter else None  # the run's overrides
         model = checkpoints.load_model(
-            source, dtype=torch_dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa"
+            source,
+            config=config,
+            dtype=torch_dtype,
+            trust_remote_code=trust_remote_code,
+            attn_implementation="sdpa",
         )
     except LongAlignError:
         raise
