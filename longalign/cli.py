@@ -29,7 +29,7 @@ from pathlib import Path
 from longalign import reports
 from longalign.arguments import at_least
 from longalign.datagen import command as datagen
-from longalign.errors import LongAlignError, PathError
+from longalign.errors import ConfigError, LongAlignError, PathError
 from longalign.eval import commands as eval_commands
 
 
@@ -258,12 +258,26 @@ def _probe_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with [lora]: also run each length as full fine-tuning and show the memory the adapters save",
     )
+    parser.add_argument(
+        "--plan",
+        help="lengths to predict the peak per GPU of, e.g. 512k,1m: weights, gradients and optimizer states "
+        "as the run places them, plus the memory per token fitted from the measured lengths below each",
+    )
+    parser.add_argument(
+        "--gpus", type=at_least(1), help="GPUs the plan is for (default: the ranks the probe runs on)"
+    )
+    parser.add_argument(
+        "--gpu-memory",
+        help="memory of each planned GPU, e.g. 80GiB (default: --max-memory, or the CUDA device's)",
+    )
 
 
 def _probe(args: argparse.Namespace) -> int:
     from longalign.config import load_config
     from longalign.probe import ProbeRequest, ladder, parse_lengths, parse_size
 
+    if (args.gpus or args.gpu_memory) and not args.plan:
+        raise ConfigError("--gpus and --gpu-memory describe the GPUs of a plan: add --plan LENGTHS")
     request = ProbeRequest(
         config=args.config,
         overrides=tuple(args.overrides),
@@ -273,6 +287,9 @@ def _probe(args: argparse.Namespace) -> int:
         output=args.output,
         trace=args.trace,
         compare_full=args.compare_full,
+        plan=tuple(parse_lengths(args.plan)) if args.plan else (),
+        gpus=args.gpus,
+        gpu_memory=parse_size(args.gpu_memory) if args.gpu_memory else None,
     )
     cfg = load_config(args.config, args.overrides)
     return ladder(request, cfg, say=lambda line: print(line, flush=True))
@@ -403,7 +420,10 @@ COMMANDS = {
         "shown). Peak memory is CUDA max_memory_allocated, or on CPU the peak resident set of that fresh\n"
         "process. The ladder stops at the first length that fails and says what would raise the limit. The\n"
         "table and every rank's numbers, with the failure's traceback, go to --output. For a [lora] run,\n"
-        "--compare-full runs each length that fits again as full fine-tuning and shows the memory saved.\n\n"
+        "--compare-full runs each length that fits again as full fine-tuning and shows the memory saved.\n"
+        "--plan 512k,1m predicts the peak per GPU at longer lengths (--gpus N of --gpu-memory SIZE): the\n"
+        "weights, gradients and optimizer states as ZeRO or FSDP and offload place them, plus the memory per\n"
+        "token fitted from the two longest measured lengths below each; one that was measured shows both.\n\n"
         "Exit status: 0 when at least the smallest length fits, 1 when none does, 2 for bad arguments.",
         _probe_arguments,
         _probe,

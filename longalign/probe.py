@@ -93,16 +93,17 @@ def format_length(tokens: int) -> str:
     return f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
 
 
-def format_bytes(size: float | None) -> str:
-    """``1610612736 -> "1.50 GiB"``; ``None`` (not measured) -> ``"-"``."""
+def format_bytes(size: float | None, *, digits: int = 2) -> str:
+    """``1610612736 -> "1.50 GiB"``; ``None`` (not measured) -> ``"-"``; a negative size keeps its sign."""
     if size is None:
         return "-"
+    sign, size = "-" if size < 0 else "", abs(size)
     units = ("B", "KiB", "MiB", "GiB", "TiB")
     power = 0
     while size >= 1024 and power < len(units) - 1:
         size /= 1024
         power += 1
-    return f"{size:.0f} B" if power == 0 else f"{size:.2f} {units[power]}"
+    return f"{sign}{size:.0f} B" if power == 0 else f"{sign}{size:.{digits}f} {units[power]}"
 
 
 def synthetic_seq_lens(
@@ -205,19 +206,22 @@ def combine_ranks(
 def format_table(entries: list[dict[str, Any]], lengths: list[int], *, compare_full: bool = False) -> str:
     """The ladder as a table.
 
-    One row per length; the lengths after the first failure are ``not run``::
+    One row per length; the lengths after the first failure are ``not run``. ``step growth`` is the peak
+    over what the process held as the step began (activations, gradients, the step's buffers); ``per
+    token`` is how much the peak grew per token on a rank since the length before (see :func:`growth`)::
 
-        length  step s  before step       peak  status
-        4k        0.41   512.00 MiB  640.12 MiB  fits
-        8k           -            -          -  out of memory
-        16k                                     not run
+        length  step s  before step        peak  step growth  per token  status
+        4k        0.41   512.00 MiB  640.12 MiB   128.12 MiB          -  fits
+        8k        0.83   512.00 MiB  800.12 MiB   288.12 MiB   40.0 KiB  fits
+        16k          -            -           -            -          -  out of memory
+        32k                                                                not run
 
     With ``compare_full`` (a ``[lora]`` run), two more columns: the peak of full fine-tuning at that
     length (or why it has none) and the share of it the adapters save::
 
-        length  step s  before step       peak    full FT peak  saved  status
-        4k        0.41   512.00 MiB  640.12 MiB      1.60 GiB    61%  fits
-        8k        0.83   512.00 MiB  880.40 MiB  out of memory      -  fits
+        length  ...  per token    full FT peak  saved  status
+        4k      ...          -        1.60 GiB    61%  fits
+        8k      ...   40.0 KiB   out of memory      -  fits
     """
     lines = [format_row(None, compare_full=compare_full)]
     lines += [format_row(entry, compare_full=compare_full) for entry in entries]
@@ -229,11 +233,19 @@ def format_row(entry: dict[str, Any] | int | None, *, compare_full: bool = False
     """One line of :func:`format_table`: a rung's entry, a length not run, or ``None`` for the header."""
     if entry is None:
         full = f"{'full FT peak':>16}{'saved':>7}" if compare_full else ""
-        return f"{'length':<7}{'step s':>7}{'before step':>14}{'peak':>14}{full}  status"
+        return (
+            f"{'length':<7}{'step s':>7}{'before step':>14}{'peak':>14}{'step growth':>14}{'per token':>11}"
+            f"{full}  status"
+        )
     if isinstance(entry, int):
-        return f"{format_length(entry):<7}{'':<{37 + 23 * compare_full}}  not run"
+        return f"{format_length(entry):<7}{'':<{62 + 23 * compare_full}}  not run"
     seconds = "-" if entry["step_seconds"] is None else f"{entry['step_seconds']:.2f}"
     before, peak = format_bytes(entry["step_start_bytes"]), format_bytes(entry["peak_bytes"])
+    step = None
+    if entry["peak_bytes"] is not None and entry["step_start_bytes"] is not None:
+        step = entry["peak_bytes"] - entry["step_start_bytes"]
+    per_token = entry.get("growth_per_token")
+    per_token = "-" if per_token is None else format_bytes(per_token, digits=1)
     full = ""
     if compare_full:
         other = entry.get("full")
@@ -246,7 +258,25 @@ def format_row(entry: dict[str, Any] | int | None, *, compare_full: bool = False
             if entry["status"] == FITS and other["peak_bytes"]:
                 saved = f"{1 - entry['peak_bytes'] / other['peak_bytes']:.0%}"
         full = f"{full_peak:>16}{saved:>7}"
-    return f"{format_length(entry['length']):<7}{seconds:>7}{before:>14}{peak:>14}{full}  {entry['status']}"
+    return (
+        f"{format_length(entry['length']):<7}{seconds:>7}{before:>14}{peak:>14}{format_bytes(step):>14}"
+        f"{per_token:>11}{full}  {entry['status']}"
+    )
+
+
+def growth(
+    earlier: dict[str, Any] | None, entry: dict[str, Any], sequence_parallel_size: int
+) -> float | None:
+    """Bytes the peak grew per token on a rank from the ``earlier`` rung to ``entry`` (both fitting).
+
+    Tokens on a rank are the pack's over the sequence-parallel split::
+
+        4k: peak 640 MiB, 8k: peak 800 MiB, no split  ->  160 MiB / 4096 tokens = 40 KiB per token
+    """
+    if earlier is None or FITS != earlier["status"] or FITS != entry["status"]:
+        return None
+    tokens = (entry["length"] - earlier["length"]) / sequence_parallel_size
+    return (entry["peak_bytes"] - earlier["peak_bytes"]) / tokens
 
 
 def headline(entries: list[dict[str, Any]]) -> str:
@@ -316,7 +346,7 @@ def suggestions(
         )
     elif stage is not None and stage < 3:
         out.append(f"DeepSpeed ZeRO stage 3 (now {stage}) also shards the parameters")
-    if not _offloads(args, environ):
+    if not _offloaded(args, environ):
         out.append(
             "offload parameters (and optimizer states) to CPU memory: fsdp_offload_params: true in the FSDP "
             "config, or offload_optimizer / offload_param in the DeepSpeed one; slower steps, far less GPU memory"
@@ -362,21 +392,183 @@ def _zero_stage(args: Mapping[str, Any], environ: Mapping[str, str]) -> int | No
     return None
 
 
-def _offloads(args: Mapping[str, Any], environ: Mapping[str, str]) -> bool:
+def _offloaded(args: Mapping[str, Any], environ: Mapping[str, str]) -> set[str]:
+    """What the run keeps in CPU memory: ``{"parameters", "optimizer"}`` or part of it (FSDP offloads both)."""
     fsdp = args.get("fsdp") or ""
     if "offload" in (fsdp if isinstance(fsdp, str) else " ".join(fsdp)):
-        return True
+        return {"parameters", "optimizer"}
     if environ.get("FSDP_OFFLOAD_PARAMS", "").lower() == "true":
-        return True
+        return {"parameters", "optimizer"}
     zero = (_deepspeed_config(args) or {}).get("zero_optimization", {})
-    if any(
-        zero.get(key, {}).get("device", "none") != "none" for key in ("offload_optimizer", "offload_param")
-    ):
-        return True
-    return any(
-        environ.get(f"ACCELERATE_DEEPSPEED_{key}_DEVICE", "none") != "none"
-        for key in ("OFFLOAD_OPTIMIZER", "OFFLOAD_PARAM")
+    found = set()
+    for key, what in (("offload_param", "parameters"), ("offload_optimizer", "optimizer")):
+        device = zero.get(key, {}).get("device", "none")
+        if device == "none":
+            device = environ.get(f"ACCELERATE_DEEPSPEED_{key.upper()}_DEVICE", "none")
+        if device != "none":
+            found.add(what)
+    return found
+
+
+# --- the plan: fixed memory, and memory per token -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How the run places weights, gradients and optimizer states (read by :func:`sharding`)."""
+
+    zero_stage: int | None  # DeepSpeed ZeRO stage; None without DeepSpeed
+    fsdp: bool  # FSDP: everything sharded over the ranks
+    offloaded: frozenset[str]  # kept in CPU memory: "parameters", "optimizer"
+    optimizer: str  # TrainingArguments.optim
+
+
+def sharding(cfg: Config, environ: Mapping[str, str]) -> Sharding:
+    """The run's :class:`Sharding`, from its config and the launcher's settings (as :func:`suggestions`)."""
+    args = cfg.training.args
+    return Sharding(
+        zero_stage=_zero_stage(args, environ),
+        fsdp=bool(args.get("fsdp")) or environ.get("ACCELERATE_USE_FSDP", "").lower() == "true",
+        offloaded=frozenset(_offloaded(args, environ)),
+        optimizer=str(args.get("optim", TrainingArguments.optim)),
     )
+
+
+def model_states(sizes: Mapping[str, int], how: Sharding, gpus: int) -> dict[str, float]:
+    """Bytes per GPU of the weights, gradients and optimizer states, as the run places them on ``gpus``.
+
+    ``sizes`` are the model's parameters in their dtypes (``longalign.run.parameter_sizes``). Without
+    DeepSpeed, gradients take the trainable parameters' bytes and Adam two states of the same dtype (an
+    8-bit optimizer two bytes per parameter, SGD none); DeepSpeed's optimizer keeps Adam's two states in
+    float32 and, for 16-bit weights, a float32 master copy: 12 bytes per trainable parameter. ZeRO stage 1
+    shards the optimizer states over the GPUs, stage 2 the gradients too, stage 3 the weights too; FSDP
+    shards all three. Offloaded parameters or optimizer states take no GPU memory, and DeepSpeed's
+    optimizer offload (ZeRO-Offload) keeps the gradients' partitions in CPU memory with them; FSDP's
+    offload moves all three::
+
+        8.0B bf16 parameters, all trainable, on 8 GPUs
+        ZeRO-3                          weights 2 B x 8.0B / 8 = 2 GB, gradients 2 GB, optimizer 12 GB
+        ZeRO-3, optimizer offloaded     weights 2 GB, gradients 0, optimizer 0
+    """
+    trainable = sizes["trainable_parameters"]
+    weights, gradients = float(sizes["parameter_bytes"]), float(sizes["trainable_bytes"])
+    if how.zero_stage is not None:
+        sixteen_bit = sizes["trainable_bytes"] < 4 * trainable
+        optimizer = trainable * (12.0 if sixteen_bit else 8.0)
+    elif "8bit" in how.optimizer:
+        optimizer = 2.0 * trainable
+    elif how.optimizer.startswith("sgd"):
+        optimizer = 0.0
+    else:
+        optimizer = 2.0 * gradients
+    stage = 3 if how.fsdp else how.zero_stage or 0
+    if stage >= 1:
+        optimizer /= gpus
+    if stage >= 2:
+        gradients /= gpus
+    if stage >= 3:
+        weights /= gpus
+    if "parameters" in how.offloaded:
+        weights = 0.0
+    if "optimizer" in how.offloaded or ("parameters" in how.offloaded and how.fsdp):
+        gradients = optimizer = 0.0
+    return {"weights": weights, "gradients": gradients, "optimizer states": optimizer}
+
+
+def plan(
+    entries: list[dict[str, Any]],
+    lengths: list[int],
+    *,
+    how: Sharding,
+    measured_gpus: int,
+    gpus: int,
+    sequence_parallel_size: int,
+    gpu_memory: int | None,
+) -> list[dict[str, Any]]:
+    """The predicted peak per GPU at each of ``lengths``, from the measured ladder ``entries``.
+
+    The model: a step's peak on a GPU is a fixed part plus a part that grows with its tokens,
+    ``t = length / sequence_parallel_size``::
+
+        peak(t) = weights + gradients + optimizer states   computed (model_states) for the planned GPUs
+                + other                                     fitted: what the step holds at any length
+                + activations = g x t                       fitted: what grows with the tokens, g per token
+
+    ``g`` is the growth of the measured peak between the two longest fitting lengths below the planned
+    one (a, b): ``g = (peak_b - peak_a) / (t_b - t_a)``, and ``other = peak_b - g t_b - model_states(measured
+    GPUs)``: the runtime (the interpreter on CPU), buffers, gathered ZeRO-3 layers, the loss chunk. A
+    planned length that was measured on as many GPUs also shows its measured peak, and the error::
+
+        measured 8k 967 MiB, 16k 1.38 GiB  ->  g = 55.1 KiB, 32k predicted 2.24 GiB (measured 2.25 GiB)
+    """
+    fits = [entry for entry in entries if entry["status"] == FITS and entry["peak_bytes"] is not None]
+    rows = []
+    for length in lengths:
+        row: dict[str, Any] = {"length": length, "tokens_per_gpu": length // sequence_parallel_size}
+        below = [entry for entry in fits if entry["length"] < length]
+        if len(below) < 2:
+            rows.append({**row, "error": "needs two measured lengths below it that fit"})
+            continue
+        a, b = below[-2:]
+        t_a, t_b = (a["length"] / sequence_parallel_size, b["length"] / sequence_parallel_size)
+        per_token = (b["peak_bytes"] - a["peak_bytes"]) / (t_b - t_a)
+        sizes = b["ranks"][0]["model_sizes"]
+        states = model_states(sizes, how, gpus)
+        other = b["peak_bytes"] - per_token * t_b - sum(model_states(sizes, how, measured_gpus).values())
+        activations = per_token * row["tokens_per_gpu"]
+        peak = sum(states.values()) + other + activations
+        measured = next((e for e in fits if e["length"] == length and gpus == measured_gpus), None)
+        rows.append(
+            {
+                **row,
+                "from": [a["length"], b["length"]],
+                "bytes_per_token": per_token,
+                **states,
+                "other": other,
+                "activations": activations,
+                "peak": peak,
+                "measured": measured["peak_bytes"] if measured else None,
+                "fits": None if gpu_memory is None else peak <= gpu_memory,
+            }
+        )
+    return rows
+
+
+def format_plan(rows: list[dict[str, Any]], *, gpus: int, gpu_memory: int | None) -> str:
+    """The plan as a table: the parts of each planned length's peak per GPU, and whether it fits::
+
+    plan: peak per GPU on 1 GPU(s) of 3.00 GiB
+    length  tokens/GPU  from  per token  weights  gradients  optimizer   other  activations    peak  ...
+    32k         32,768  8k+16k  51.6 KiB  2.52 MiB  2.52 MiB   5.05 MiB  512 MiB   1.61 GiB  2.12 GiB  ...
+    ...  measured 2.11 GiB (+0.4%)  fits: yes, 899.67 MiB left
+    """
+    memory = f" of {format_bytes(gpu_memory)}" if gpu_memory else ""
+    lines = [
+        f"plan: peak per GPU on {gpus} GPU(s){memory}",
+        f"{'length':<7}{'tokens/GPU':>11}{'from':>11}{'per token':>11}{'weights':>12}{'gradients':>12}"
+        f"{'optimizer':>12}{'other':>12}{'activations':>12}{'peak':>12}{'measured':>18}  fits",
+    ]
+    for row in rows:
+        start = f"{format_length(row['length']):<7}{row['tokens_per_gpu']:>11,}"
+        if "error" in row:
+            lines.append(f"{start}  {row['error']}")
+            continue
+        parts = [
+            row[key] for key in ("weights", "gradients", "optimizer states", "other", "activations", "peak")
+        ]
+        measured = "-"
+        if row["measured"] is not None:
+            measured = f"{format_bytes(row['measured'])} ({row['peak'] / row['measured'] - 1:+.1%})"
+        fits = "-" if row["fits"] is None else "yes" if row["fits"] else "no"
+        if row["fits"] is not None:
+            fits += f", {format_bytes(abs(gpu_memory - row['peak']))} {'left' if row['fits'] else 'over'}"
+        lines.append(
+            f"{start}{'+'.join(map(format_length, row['from'])):>11}"
+            f"{format_bytes(row['bytes_per_token'], digits=1):>11}"
+            + "".join(f"{format_bytes(part):>12}" for part in parts)
+            + f"{measured:>18}  {fits}"
+        )
+    return "\n".join(lines)
 
 
 # --- the ladder: one fresh process per length and rank --------------------------------------------------
@@ -394,6 +586,9 @@ class ProbeRequest:
     output: Path
     trace: bool
     compare_full: bool = False  # also run each length that fits without [lora]
+    plan: tuple[int, ...] = ()  # lengths to predict the peak of from the ladder (see plan())
+    gpus: int | None = None  # GPUs of the plan; default: the ranks measured
+    gpu_memory: int | None = None  # memory of each of them; default: max_memory, or the CUDA device's
 
 
 def ladder(request: ProbeRequest, cfg: Config, say: Callable[[str], None]) -> int:
@@ -403,12 +598,17 @@ def ladder(request: ProbeRequest, cfg: Config, say: Callable[[str], None]) -> in
     """
     if request.compare_full and cfg.lora is None:
         raise ConfigError("--compare-full: the run has no [lora] section, it is full fine-tuning already")
+    split = cfg.training.sequence_parallel_size
+    if request.gpus is not None and request.gpus % split:
+        raise ConfigError(
+            f"--gpus {request.gpus}: not a multiple of training.sequence_parallel_size = {split} (each pack is "
+            "split over a group of that many GPUs)"
+        )
     datasets.disable_progress_bars()
     ranks = Ranks(say)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a launcher stopping us: end the step too
     vocab_size = len(load_tokenizer(cfg))
     per_rank = cfg.training.args.get("per_device_train_batch_size", _default_batch_size())
-    split = cfg.training.sequence_parallel_size
     groups = max(ranks.world // split, 1)  # a world that does not split is refused by the steps themselves
     entries: list[dict[str, Any]] = []
     holder = f"group of {split} ranks (each pack split over the group)" if split > 1 else "rank"
@@ -441,6 +641,7 @@ def ladder(request: ProbeRequest, cfg: Config, say: Callable[[str], None]) -> in
                 result = _run_length(request, length, work, ranks, full=True)
                 entry["full"] = combine_ranks(length, ranks.gather(result), max_memory=request.max_memory)
                 full_fits = entry["full"]["status"] == FITS
+            entry["growth_per_token"] = growth(entries[-1] if entries else None, entry, split)
             entries.append(entry)
             ranks.say(format_row(entry, compare_full=compare))
             if entry["status"] != FITS:
@@ -477,6 +678,23 @@ def _report(
         say(last["traceback"].rstrip("\n"))
     elif last.get("traceback"):
         say(f"(traceback in {request.output}; --trace prints it)")
+    planned = []
+    if request.plan:
+        gpus = request.gpus or world
+        memory = request.gpu_memory or request.max_memory
+        if memory is None and torch.cuda.is_available() and not cfg.training.args.get("use_cpu"):
+            memory = torch.cuda.get_device_properties(0).total_memory
+        planned = plan(
+            entries,
+            list(request.plan),
+            how=sharding(cfg, os.environ),
+            measured_gpus=world,
+            gpus=gpus,
+            sequence_parallel_size=cfg.training.sequence_parallel_size,
+            gpu_memory=memory,
+        )
+        say("")
+        say(format_plan(planned, gpus=gpus, gpu_memory=memory))
     summary = {
         "config": str(request.config),
         "overrides": [redact_override(item) for item in request.overrides],
@@ -490,6 +708,7 @@ def _report(
         "compare_full": request.compare_full,
         "table": format_table(entries, request.lengths, compare_full=request.compare_full),
         "results": entries,
+        "plan": planned,
     }
     request.output.parent.mkdir(parents=True, exist_ok=True)
     write_json(request.output, summary)

@@ -29,7 +29,7 @@ from transformers import Trainer, TrainerCallback
 
 from longalign.artifacts import write_json
 from longalign.config import load_config
-from longalign.run import build_trainer
+from longalign.run import build_trainer, parameter_sizes
 
 FITS = "fits"
 OUT_OF_MEMORY = "out of memory"
@@ -101,7 +101,9 @@ def measure_steps(trainer: Trainer) -> dict[str, Any]:
     """Run ``trainer.train()`` (see :func:`probe_overrides`) and return what its steps cost on this rank.
 
     ``peak_bytes`` covers the whole process (model load included), ``step_start_bytes`` is what the
-    last step starts with (weights, optimizer states), ``step_seconds`` is that step's time.
+    last step starts with (weights, optimizer states), ``step_seconds`` is that step's time;
+    ``model_sizes`` are the model's parameters as the engine left them (dtype, full sizes of ZeRO-3
+    shards: ``longalign.run.parameter_sizes``), for the probe's plan.
     """
     device = trainer.args.device
     meter = StepMeter(device)
@@ -112,6 +114,7 @@ def measure_steps(trainer: Trainer) -> dict[str, Any]:
         "peak_bytes": peak_memory(device),
         "step_start_bytes": meter.start_bytes,
         "step_seconds": meter.seconds,
+        "model_sizes": parameter_sizes(trainer.model),
     }
     if device.type == "cuda":
         measured["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)

@@ -435,13 +435,27 @@ def parameter_summary(model: torch.nn.Module) -> str:
     if hasattr(model, "get_nb_trainable_parameters"):
         trainable, total = model.get_nb_trainable_parameters()
     else:
-        # Under ZeRO-3 a parameter holds an empty shard; DeepSpeed keeps its full size in ds_numel.
-        sizes = [
-            (getattr(param, "ds_numel", param.numel()), param.requires_grad) for param in model.parameters()
-        ]
-        total = sum(size for size, _ in sizes)
-        trainable = sum(size for size, trains in sizes if trains)
+        sizes = parameter_sizes(model)
+        trainable, total = sizes["trainable_parameters"], sizes["parameters"]
     return f"parameters: {trainable:,} trainable of {total:,} ({trainable / max(total, 1):.2%})"
+
+
+def parameter_sizes(model: torch.nn.Module) -> dict[str, int]:
+    """The model's parameters and the bytes they take in their dtypes, all of them and the trainable ones.
+
+    ``{"parameters": 8030261248, "parameter_bytes": 16060522496, "trainable_parameters": ..., "trainable_bytes":
+    ...}``. Under ZeRO-3 a parameter holds an empty shard; DeepSpeed keeps its full size in ``ds_numel``.
+    """
+    sizes = dict.fromkeys(("parameters", "parameter_bytes", "trainable_parameters", "trainable_bytes"), 0)
+    for param in model.parameters():
+        numel = getattr(param, "ds_numel", param.numel())
+        size = numel * param.element_size()
+        sizes["parameters"] += numel
+        sizes["parameter_bytes"] += size
+        if param.requires_grad:
+            sizes["trainable_parameters"] += numel
+            sizes["trainable_bytes"] += size
+    return sizes
 
 
 def build_trainer(cfg: Config) -> LongAlignTrainer:

@@ -17,12 +17,18 @@ from longalign.batching import PackCollator
 from longalign.config import load_config
 from longalign.probe import (
     STOPPED,
+    Sharding,
     combine_ranks,
+    format_plan,
     format_table,
+    growth,
     headline,
+    model_states,
     parse_length,
     parse_lengths,
     parse_size,
+    plan,
+    sharding,
     suggestions,
     synthetic_pack,
     synthetic_seq_lens,
@@ -105,7 +111,8 @@ def test_table_marks_the_lengths_after_a_failure_not_run():
         combine_ranks(8192, [rank(0, OUT_OF_MEMORY, peak=None, error="x")]),
     ]
     lines = format_table(entries, [4096, 8192, 16384]).splitlines()
-    assert lines[0].split() == ["length", "step", "s", "before", "step", "peak", "status"]
+    assert lines[0].split() == ["length", "step", "s", "before", "step", "peak", "step", "growth", "per", "token",
+                                "status"]  # fmt: skip
     assert lines[1].startswith("4k") and lines[1].endswith("fits")
     assert lines[2].startswith("8k") and lines[2].endswith("out of memory")
     assert lines[3].startswith("16k") and lines[3].endswith("not run")
@@ -124,6 +131,10 @@ def test_table_compares_with_full_fine_tuning():
         "before",
         "step",
         "peak",
+        "step",
+        "growth",
+        "per",
+        "token",
         "full",
         "FT",
         "peak",
@@ -181,6 +192,85 @@ def test_suggestions_follow_the_config(tmp_path):
     )
     assert not any("shard parameters" in line for line in advice)
     assert any("offload" in line for line in advice)
+
+
+# --- the plan ---------------------------------------------------------------------------------------------
+
+LLAMA_8B = {"parameters": 8_030_261_248, "parameter_bytes": 16_060_522_496,
+            "trainable_parameters": 8_030_261_248, "trainable_bytes": 16_060_522_496}  # fmt: skip
+
+
+def test_model_states_follow_zero_stage_and_offload():
+    def states(gpus, **how):
+        how = Sharding(
+            **{"zero_stage": None, "fsdp": False, "offloaded": frozenset(), "optimizer": "adamw_torch"} | how
+        )
+        return {key: round(value / 1e9, 2) for key, value in model_states(LLAMA_8B, how, gpus).items()}
+
+    assert states(1) == {"weights": 16.06, "gradients": 16.06, "optimizer states": 32.12}  # Adam in bf16
+    assert states(8, zero_stage=3) == {"weights": 2.01, "gradients": 2.01, "optimizer states": 12.05}
+    assert states(8, zero_stage=2) == {"weights": 16.06, "gradients": 2.01, "optimizer states": 12.05}
+    assert states(8, zero_stage=3, offloaded=frozenset({"optimizer"})) == {
+        "weights": 2.01, "gradients": 0.0, "optimizer states": 0.0}  # fmt: skip
+    assert set(states(1, zero_stage=3, offloaded=frozenset({"parameters", "optimizer"})).values()) == {0.0}
+    assert states(8, fsdp=True) == {"weights": 2.01, "gradients": 2.01, "optimizer states": 4.02}
+    assert states(1, optimizer="adamw_bnb_8bit")["optimizer states"] == 16.06
+    float32 = {
+        **LLAMA_8B,
+        "parameter_bytes": 2 * LLAMA_8B["parameter_bytes"],
+        "trainable_bytes": 2 * LLAMA_8B["trainable_bytes"],
+    }
+    how = Sharding(zero_stage=1, fsdp=False, offloaded=frozenset(), optimizer="adamw_torch")
+    assert model_states(float32, how, 1)["optimizer states"] == 8 * LLAMA_8B["parameters"]  # no master copy
+
+
+def test_sharding_is_read_from_the_run_file_and_the_launch(tmp_path):
+    zero3 = tmp_path / "ds.json"
+    zero3.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}))
+    how = sharding(load_config(DEMO, [f"training.deepspeed='{zero3}'"]), environ={})
+    assert (how.zero_stage, how.offloaded, how.fsdp) == (3, {"optimizer"}, False)
+    launched = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
+                "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "cpu"}  # fmt: skip
+    assert sharding(load_config(DEMO), environ=launched).offloaded == {"parameters"}
+    assert sharding(load_config(DEMO), environ={}) == Sharding(None, False, frozenset(), "adamw_torch_fused")
+
+
+def ladder_entry(length, peak, previous=None):
+    entry = combine_ranks(length, [{**rank(0, peak=peak), "model_sizes": LLAMA_8B}])
+    entry["growth_per_token"] = growth(previous, entry, 1)
+    return entry
+
+
+def test_the_plan_adds_the_fitted_growth_to_the_states_of_the_planned_gpus():
+    mib = 2**20
+    small = ladder_entry(8192, 1000 * mib)
+    middle = ladder_entry(16384, 1400 * mib, small)
+    large = ladder_entry(32768, 2210 * mib, middle)
+    assert middle["growth_per_token"] == 400 * mib / 8192
+    how = Sharding(zero_stage=3, fsdp=False, offloaded=frozenset({"optimizer"}), optimizer="adamw_torch")
+    rows = plan([small, middle, large], [8192, 32768, 65536], how=how, measured_gpus=1, gpus=1,
+                sequence_parallel_size=1, gpu_memory=3 * 1024 * mib)  # fmt: skip
+    assert rows[0]["error"] == "needs two measured lengths below it that fit"
+    at_32k = rows[1]  # from 8k and 16k, next to what was measured
+    assert (
+        at_32k["from"] == [8192, 16384] and at_32k["peak"] == 2200 * mib and at_32k["measured"] == 2210 * mib
+    )
+    assert at_32k["activations"] == 32768 * 400 * mib / 8192
+    assert at_32k["weights"] + at_32k["other"] + at_32k["activations"] == at_32k["peak"]
+    at_64k = rows[2]  # from 16k and 32k
+    assert at_64k["from"] == [16384, 32768] and at_64k["measured"] is None
+    assert at_64k["peak"] == 2210 * mib + 32768 * 810 * mib / 16384 and not at_64k["fits"]
+    on_8 = plan([small, middle], [32768], how=how, measured_gpus=1, gpus=8, sequence_parallel_size=8,
+                gpu_memory=None)[0]  # fmt: skip
+    assert on_8["tokens_per_gpu"] == 4096 and on_8["measured"] is None and on_8["fits"] is None
+    assert on_8["weights"] == LLAMA_8B["parameter_bytes"] / 8  # ZeRO-3 shards them over the planned GPUs
+    text = format_plan(rows, gpus=1, gpu_memory=3 * 1024 * mib).splitlines()
+    assert text[0] == "plan: peak per GPU on 1 GPU(s) of 3.00 GiB"
+    assert text[2].split()[:2] == ["8k", "8,192"] and text[2].endswith(
+        "needs two measured lengths below it that fit"
+    )
+    assert text[3].split()[:3] == ["32k", "32,768", "8k+16k"] and "2.16 GiB (-0.5%)" in text[3]
+    assert text[3].endswith("yes, 872.00 MiB left") and text[4].endswith("over")
 
 
 def probe(tmp_path: Path, name: str, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
@@ -261,3 +351,27 @@ def test_compare_full_shows_what_adapters_save(tmp_path):
         timeout=300, cwd=ROOT,
     )  # fmt: skip
     assert result.returncode == 2 and "--compare-full: the run has no [lora] section" in result.stderr
+
+
+# Memory per token dominates the process: an MLP 64 times wider than the model (its [tokens, 2048]
+# tensors in the recomputed layer), and a 2048-token window, so that the synthetic samples, capped at it,
+# keep attention linear in the tokens and the steps short.
+WIDE_MLP = (
+    "model.init_from_config={model_type='llama', vocab_size=4096, hidden_size=32, intermediate_size=2048, "
+    "num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, "
+    "tie_word_embeddings=false}"
+)
+
+
+@pytest.mark.integration
+def test_the_plan_from_8k_and_16k_predicts_the_peak_measured_at_32k(tmp_path):
+    result, report = probe(
+        tmp_path, "plan", "--lengths", "8k,16k,32k", "--plan", "32k,64k", "--gpu-memory", "3GiB", WIDE_MLP,
+        "training.activation_checkpointing=true",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    at_32k, at_64k = report["plan"]
+    assert at_32k["from"] == [8192, 16384] and at_64k["from"] == [16384, 32768]
+    assert abs(at_32k["peak"] / at_32k["measured"] - 1) < 0.10, result.stdout
+    assert at_32k["activations"] > at_32k["other"]  # the per-token part is what the check is about
+    assert "plan: peak per GPU on 1 GPU(s) of 3.00 GiB" in result.stdout
