@@ -290,6 +290,10 @@ class TrainingConfig:
     preflight: bool | None = None  # run the multi-rank checks before the first step; default: when ranks > 1
     resume_ignore_changes: bool = False  # resume although the data, packing or loss settings changed
     sequence_parallel_size: int = 1  # ranks each pack is split over (DeepSpeed Ulysses); 1 = off
+    tiled_mlp: bool = False  # each layer's MLP runs over the tokens in tiles, recomputed in backward (exact)
+    mlp_tile_tokens: int = 0  # tokens per MLP tile; 0: the model's hidden size (ceil(tokens / hidden) tiles)
+    offload_activations: bool = False  # checkpointed layer inputs wait for backward in (pinned) host memory
+    activation_checkpointing_layers: int = 1  # checkpoint every n-th decoder layer (1: all of them)
     args: dict[str, Any] = field(default_factory=dict)  # every other key, for transformers.TrainingArguments
 
     def __post_init__(self) -> None:
@@ -297,6 +301,41 @@ class TrainingConfig:
             raise ConfigError(
                 f"training.sequence_parallel_size: must be >= 1, got {self.sequence_parallel_size}"
             )
+        if self.mlp_tile_tokens < 0:
+            raise ConfigError(
+                f"training.mlp_tile_tokens: must be >= 0 (0: the model's hidden size), got {self.mlp_tile_tokens}"
+            )
+        if self.mlp_tile_tokens and not self.tiled_mlp:
+            raise ConfigError(
+                f"training.mlp_tile_tokens = {self.mlp_tile_tokens} sizes the tiles of training.tiled_mlp, "
+                "which is off; set training.tiled_mlp = true"
+            )
+        if self.activation_checkpointing_layers < 1:
+            raise ConfigError(
+                "training.activation_checkpointing_layers: must be >= 1 (checkpoint every n-th layer), got "
+                f"{self.activation_checkpointing_layers}"
+            )
+        # transformers' own names for the two settings below: one key each, the longalign one.
+        for key, ours in (
+            ("every_n_layers", "activation_checkpointing_layers"),
+            ("offload", "offload_activations"),
+        ):
+            for name in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"):
+                if isinstance(self.args.get(name), dict) and key in self.args[name]:
+                    raise ConfigError(f"training.{name}.{key}: set training.{ours} instead")
+        checkpointing = self.args.get("activation_checkpointing") or self.args.get("gradient_checkpointing")
+        if not checkpointing:
+            if self.offload_activations:
+                raise ConfigError(
+                    "training.offload_activations = true moves the inputs that activation checkpointing keeps; "
+                    "turn checkpointing on: training.activation_checkpointing = true"
+                )
+            if self.activation_checkpointing_layers != 1:
+                raise ConfigError(
+                    f"training.activation_checkpointing_layers = {self.activation_checkpointing_layers} picks "
+                    "the layers activation checkpointing recomputes; turn checkpointing on: "
+                    "training.activation_checkpointing = true"
+                )
 
 
 _OWN_TRAINING_KEYS = [f.name for f in dataclasses.fields(TrainingConfig) if f.name != "args"]

@@ -67,6 +67,14 @@ def training_arguments(cfg: Config) -> TrainingArguments:
     # Every trained weight of a causal LM (or every adapter) gets a gradient every step: DDP's search for
     # unused parameters, transformers' default without activation checkpointing, would only cost time.
     settings.setdefault("ddp_find_unused_parameters", False)
+    if settings.get("activation_checkpointing") or settings.get("gradient_checkpointing"):
+        # The Trainer enables checkpointing when training starts and takes every_n_layers from here.
+        kwargs = settings.get("activation_checkpointing_kwargs") or settings.get(
+            "gradient_checkpointing_kwargs"
+        )
+        every = {"every_n_layers": cfg.training.activation_checkpointing_layers}
+        settings["activation_checkpointing_kwargs"] = {**(kwargs or {}), **every}
+        settings.pop("gradient_checkpointing_kwargs", None)
     try:
         return TrainingArguments(output_dir=cfg.training.output_dir, **settings)
     except (ValueError, TypeError) as err:
@@ -133,6 +141,8 @@ def load_model(cfg: Config, device: torch.device | None = None) -> torch.nn.Modu
     """The model of ``[model]`` (pretrained, or random from ``init_from_config``), patched for packed input.
 
     With ``[lora] load_in_4bit`` or ``load_in_8bit`` a pretrained model loads quantized onto ``device``.
+    ``[training] tiled_mlp`` tiles its MLPs and ``offload_activations`` moves the inputs that
+    checkpointing keeps to host memory (``longalign.patch``).
     """
     mc = cfg.model
     dtype = model_dtype(cfg)
@@ -157,9 +167,15 @@ def load_model(cfg: Config, device: torch.device | None = None) -> torch.nn.Modu
             trust_remote_code=mc.trust_remote_code,
             **extra,
         )
-    return longalign.patch.apply(
-        model, backend=mc.attn_backend, sequence_parallel_size=cfg.training.sequence_parallel_size
+    training = cfg.training
+    model = longalign.patch.apply(
+        model, backend=mc.attn_backend, sequence_parallel_size=training.sequence_parallel_size
     )
+    if training.tiled_mlp:  # after the run's TrainingArguments: under ZeRO-3 the MLPs become leaf modules
+        longalign.patch.tile_mlp(model, tile_tokens=training.mlp_tile_tokens)
+    if training.offload_activations:
+        longalign.patch.offload_checkpointed_inputs(model)
+    return model
 
 
 def check_sequence_parallel(

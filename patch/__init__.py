@@ -18,6 +18,10 @@ must be its slices of the pack (``longalign.batching.PackCollator``).
 
 Families with a module of their own: ``llama`` (Llama 3), ``glm`` (GLM, GLM-4). Other decoders with rotary
 positions and attention through transformers' ``AttentionInterface`` take the ``generic`` path.
+
+Two more patches trade time for memory at long context, both exact: ``tile_mlp(model)`` runs every
+layer's MLP over the tokens in tiles (``tiled_mlp``), and ``offload_checkpointed_inputs(model)`` keeps
+the inputs that activation checkpointing saves in host memory (``offload``).
 """
 
 from __future__ import annotations
@@ -35,16 +39,21 @@ from . import cu_seqlens_mask, generic
 from .glm import GLM, GLM4, REMOTE_CODE_HINTS
 from .interface import ATTENTION_NAMES, register, varlen_attention_forward
 from .llama import LLAMA
+from .offload import offload_checkpointed_inputs
 from .sequence_parallel import sequence_parallel_problems, wrap
+from .tiled_mlp import TILEABLE_MLPS, tile_mlp
 
 __all__ = [
     "ATTENTION_NAMES",
     "FAMILIES",
+    "TILEABLE_MLPS",
     "UnsupportedModelError",
     "apply",
     "check_model",
+    "offload_checkpointed_inputs",
     "sequence_parallel_problems",
     "supported",
+    "tile_mlp",
     "varlen_attention_forward",
 ]
 

@@ -30,6 +30,10 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,6 +67,8 @@ FAMILIES = {
     "glm": (GlmForCausalLM, GlmConfig),  # partial rotary: half of each head rotates
     "glm4": (Glm4ForCausalLM, Glm4Config),
     "mistral": (MistralForCausalLM, MistralConfig),  # the generic path
+    "qwen2": (Qwen2ForCausalLM, Qwen2Config),  # the generic path
+    "qwen3": (Qwen3ForCausalLM, Qwen3Config),  # the generic path; norms on queries and keys
 }
 
 

@@ -401,9 +401,64 @@ def test_config_overrides_are_for_a_checkpoint_and_checked_against_its_model_typ
         load_config(None, ['model.model_name_or_path="x"', 'model.config_overrides={model_type = "glm"}'])
     with pytest.raises(ConfigError, match="model.config_overrides.max_positions: not a field of GlmConfig"):
         check_config_overrides({"max_positions": 8192}, "glm")
-    check_config_overrides(
-        {"rope_theta": 1e6, "max_position_embeddings": 8192}, "glm"
-    )  # rope_theta is folded in
+    # rope_theta is not a field: it is folded into rope_parameters
+    check_config_overrides({"rope_theta": 1e6, "max_position_embeddings": 8192}, "glm")
     overrides = {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}
     check_config_overrides(overrides, "llama")
     assert overrides == {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}  # left as the user wrote it
+
+
+def test_long_context_memory_keys_load_with_checkpointing():
+    cfg = load_config(None, [M, "training.activation_checkpointing=true", "training.tiled_mlp=true",
+                             "training.mlp_tile_tokens=2048", "training.offload_activations=true",
+                             "training.activation_checkpointing_layers=2"])  # fmt: skip
+    training = cfg.training
+    assert (training.tiled_mlp, training.mlp_tile_tokens) == (True, 2048)
+    assert (training.offload_activations, training.activation_checkpointing_layers) == (True, 2)
+    assert "tiled_mlp" not in training.args  # longalign's own keys, not TrainingArguments fields
+    defaults = load_config(None, [M]).training
+    assert (defaults.tiled_mlp, defaults.mlp_tile_tokens) == (False, 0)
+    assert (defaults.offload_activations, defaults.activation_checkpointing_layers) == (False, 1)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["training.offload_activations=true"],
+            "training.offload_activations = true moves the inputs that activation checkpointing keeps; "
+            "turn checkpointing on: training.activation_checkpointing = true",
+        ),
+        (
+            ["training.activation_checkpointing_layers=2"],
+            "training.activation_checkpointing_layers = 2 picks the layers .* turn checkpointing on",
+        ),
+        (["training.mlp_tile_tokens=512"], "sizes the tiles of training.tiled_mlp, which is off"),
+        (
+            ["training.tiled_mlp=true", "training.mlp_tile_tokens=-1"],
+            "training.mlp_tile_tokens: must be >= 0",
+        ),
+        (
+            ["training.activation_checkpointing=true", "training.activation_checkpointing_layers=0"],
+            "training.activation_checkpointing_layers: must be >= 1",
+        ),
+        (
+            [
+                "training.activation_checkpointing=true",
+                "training.activation_checkpointing_kwargs={offload = true}",
+            ],
+            "training.activation_checkpointing_kwargs.offload: set training.offload_activations instead",
+        ),
+        (
+            [
+                "training.activation_checkpointing=true",
+                "training.activation_checkpointing_kwargs={every_n_layers = 2}",
+            ],
+            "training.activation_checkpointing_kwargs.every_n_layers: set training.activation_checkpointing_layers",
+        ),  # fmt: skip
+        (["training.tiled_mlp=1"], "training.tiled_mlp: expected bool, got int"),
+    ],
+)
+def test_long_context_memory_keys_that_cannot_take_effect_are_one_line(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [M, *overrides])

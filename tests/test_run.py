@@ -34,6 +34,7 @@ from longalign.run import (
     check_sequence_parallel,
     check_vocabulary,
     compare_records,
+    load_model,
     model_dtype,
     parameter_summary,
     resolve_packs,
@@ -56,6 +57,36 @@ def test_arguments_transformers_refuses_are_one_line_config_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"^\[training\]: ") as err:
         training_arguments(cfg)
     assert "\n" not in str(err.value)
+
+
+def test_the_checkpointed_layers_reach_the_trainer_once_through_its_arguments(tmp_path):
+    """The Trainer enables checkpointing when training starts, with every_n_layers from these arguments."""
+    on = [f"training.output_dir='{tmp_path}'", "training.activation_checkpointing=true"]
+    args = training_arguments(load_config(DEMO, [*on, "training.activation_checkpointing_layers=2"]))
+    assert args.activation_checkpointing_kwargs == {"every_n_layers": 2}
+    kept = load_config(DEMO, [*on, "training.activation_checkpointing_kwargs={use_reentrant = true}"])
+    assert training_arguments(kept).activation_checkpointing_kwargs == {
+        "use_reentrant": True,
+        "every_n_layers": 1,
+    }
+    assert training_arguments(load_config(DEMO)).activation_checkpointing_kwargs is None  # checkpointing off
+
+
+def test_the_model_is_tiled_and_offloaded_as_the_config_says():
+    from longalign.patch.offload import _offloaded_forward
+    from longalign.patch.tiled_mlp import tiled_forward
+
+    settings = [
+        "training.activation_checkpointing=true",
+        "training.tiled_mlp=true",
+        "training.mlp_tile_tokens=64",
+    ]
+    model = load_model(load_config(DEMO, [*settings, "training.offload_activations=true"]))
+    for layer in model.model.layers:
+        assert layer.mlp.forward.func is tiled_forward and layer.mlp.forward.keywords == {"tile_tokens": 64}
+        assert layer.forward.func is _offloaded_forward
+    plain = load_model(load_config(DEMO))
+    assert all("forward" not in vars(module) for module in plain.modules())  # the class's own forwards
 
 
 def test_model_dtype_is_resolved_once_from_the_config():

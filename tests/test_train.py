@@ -137,6 +137,20 @@ def test_an_error_once_training_runs_keeps_its_traceback(tokenized_sample, tmp_p
         assert "RuntimeError: training stopped at step 1: deep inside the forward" in result.stderr
 
 
+def test_tiled_mlps_and_offloaded_inputs_train_the_steps_of_checkpointing_alone(tokenized_sample, tmp_path):
+    """The run file's long-context settings through train.py: the same losses, step after step."""
+    checkpointing = ("training.max_steps=3", "training.activation_checkpointing=true")
+    train_demo(tokenized_sample, tmp_path / "plain", *checkpointing)
+    train_demo(
+        tokenized_sample, tmp_path / "long", *checkpointing, "training.tiled_mlp=true",
+        "training.mlp_tile_tokens=100", "training.offload_activations=true",
+        "training.activation_checkpointing_layers=2",
+    )  # fmt: skip
+    want, got = step_losses(tmp_path / "plain"), step_losses(tmp_path / "long")
+    assert sorted(got) == [1, 2, 3]
+    assert got == pytest.approx(want, rel=1e-5)
+
+
 def test_a_wrong_setting_before_training_is_one_line(tokenized_sample, tmp_path):
     result = train_demo(tokenized_sample, tmp_path / "run", "loss.chunk_size=0", status=2)
     assert result.stderr.strip().splitlines() == ["train.py: error: loss.chunk_size: must be >= 1, got 0"], (

@@ -1,0 +1,196 @@
+"""Sequence-tiled MLP: each decoder layer's MLP runs over its tokens in tiles, and each tile is recomputed
+in backward, so at most one tile's ``[tile, intermediate]`` tensors are alive at once. Exact.
+
+A dense MLP treats every token alone, so tiles along the tokens give the untiled output and gradients,
+to the rounding of summing the weight gradients tile by tile. For one micro-batch of ``T`` tokens::
+
+    untiled   x [T, H] -> gate, up, act(gate) * up  [T, I] each, kept for backward  -> out [T, H]
+    tiled     x [T, H] kept; forward and backward run tile by tile:
+              x[0:t] -> [t, I] ... -> out[0:t]      then x[t:2t] -> ...              -> out [T, H]
+
+With ``tile_tokens = 0`` a tile holds about ``hidden_size`` tokens (``ceil(T / hidden)`` tiles, ALST's
+rule): each ``[tile, intermediate]`` tensor is then the size of one MLP weight matrix, memory the step
+holds anyway, so the MLP no longer adds anything that grows with the pack, and a tile stays large enough
+(4096 tokens for an 8B model) for the matrix products to run at full speed.
+
+Why not DeepSpeed's ``TiledMLP`` (``deepspeed.runtime.sequence_parallel.ulysses_sp``): its backward
+accumulates each tile's weight gradients through ``torch.autograd.backward``, so every trained
+parameter's gradient hook fires once per tile. DDP's reducer expects one firing per backward, and ZeRO
+needs its ``ds_grad_is_ready`` flag. Here the MLP's trained parameters (the base weights, or LoRA's
+adapters on a frozen base) are inputs of the autograd function: the backward computes each tile's
+gradients with ``torch.autograd.grad``, which fires no hook, and returns their sum, which reaches every
+parameter once. Under each engine:
+
+- DDP and ZeRO-1/2: one gradient per parameter and backward, as without tiling.
+- ZeRO-3: the MLP is made a ZeRO-3 leaf module, so DeepSpeed gathers all of its parameters once when the
+  MLP starts, in forward and again in backward, and runs no collective inside it: no gather per tile,
+  and ranks with different token counts (hence tile counts) cannot wait on each other. (ALST instead lets
+  each projection gather on its own and all-reduces the tile count to its maximum, so that the gathers
+  of all ranks stay in step.) The flag is set when the process's ``TrainingArguments`` configure ZeRO-3
+  (transformers' ``is_deepspeed_zero3_enabled``), and must be before ``deepspeed.initialize`` registers
+  its hooks: ``longalign.run.load_model`` applies the tiling after the arguments, as it loads the model.
+- FSDP2: the decoder layer is the sharded unit; its parameters are unsharded around the layer's forward
+  and backward, so the tiles see whole tensors, and the summed gradients land on the unsharded
+  parameters once, before the layer's reduce-scatter.
+- Sequence parallelism: each rank holds its slice of the pack and tiles that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.integrations import is_deepspeed_zero3_enabled
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+from longalign.errors import ModelError
+
+# Dense MLPs that treat every token alone, by class: tiling them along the tokens is exact. A mixture of
+# experts is not among them (its routing sees all tokens of the batch, and some count them per expert).
+TILEABLE_MLPS = ("LlamaMLP", "GlmMLP", "Glm4MLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP")
+
+
+def tile_mlp(model: nn.Module, *, tile_tokens: int = 0) -> nn.Module:
+    """Run every decoder layer's MLP of ``model`` in tiles of ``tile_tokens`` tokens (0: ``hidden_size``).
+
+    Raises ``ModelError`` naming the class of an MLP that cannot be tiled. Call it after the run's
+    ``TrainingArguments`` and before the engine wraps the model (ZeRO-3 reads the leaf flag when it
+    starts); LoRA adapters may come later.
+    """
+    zero3 = is_deepspeed_zero3_enabled()
+    layers = [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
+    if not layers:
+        raise ModelError(
+            f"training.tiled_mlp: {type(model).__name__} has no decoder layers to tile the MLP of"
+        )
+    for layer in layers:
+        mlp = getattr(layer, "mlp", None)
+        if type(mlp).__name__ not in TILEABLE_MLPS:
+            what = f"its MLP {type(mlp).__name__}" if mlp is not None else "no MLP named mlp"
+            raise ModelError(
+                f"training.tiled_mlp: {type(layer).__name__} has {what}, which longalign cannot tile; it tiles "
+                f"the dense MLPs {', '.join(TILEABLE_MLPS)}"
+            )
+        mlp.forward = functools.partial(tiled_forward, mlp, tile_tokens=tile_tokens)
+        if zero3:
+            from deepspeed.utils import set_z3_leaf_module
+
+            set_z3_leaf_module(mlp, True)
+    return model
+
+
+def tile_count(tokens: int, hidden_size: int, tile_tokens: int = 0) -> int:
+    """How many tiles ``tokens`` tokens run in: ``ceil(tokens / tile_tokens)``, ``hidden_size`` for 0.
+
+    >>> tile_count(65536, 4096), tile_count(65536, 4096, tile_tokens=1000), tile_count(100, 4096)
+    (16, 66, 1)
+    """
+    return max(1, math.ceil(tokens / (tile_tokens or hidden_size)))
+
+
+def tiled_forward(mlp: nn.Module, hidden_states: torch.Tensor, *, tile_tokens: int = 0) -> torch.Tensor:
+    """``mlp``'s own forward over ``hidden_states [..., T, H]``, run in tiles along the tokens."""
+    tiles = tile_count(hidden_states.shape[:-1].numel(), hidden_states.shape[-1], tile_tokens)
+    trained = [param for param in mlp.parameters() if param.requires_grad]
+    if any(getattr(param, "ds_numel", 0) and not param.numel() for param in trained):
+        raise ModelError(
+            f"training.tiled_mlp: the {type(mlp).__name__}'s parameters are partitioned by ZeRO-3 inside it; "
+            "tile the MLP (longalign.patch.tile_mlp) before DeepSpeed starts, so it gathers them for the whole MLP"
+        )
+    return _TiledMLP.apply(mlp, tiles, hidden_states, *trained)
+
+
+def _dense(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    # The class's forward, looked up at the call: an engine may have swapped the class since (FSDP2).
+    return type(mlp).forward(mlp, x)
+
+
+class _TiledMLP(torch.autograd.Function):
+    """``mlp(x)`` tile by tile; backward recomputes each tile and returns the trained parameters' gradients."""
+
+    @staticmethod
+    def forward(ctx, mlp: nn.Module, tiles: int, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        ctx.mlp, ctx.tiles, ctx.params = mlp, tiles, params
+        ctx.autocast = _autocast_state(x.device.type)
+        # Dropout (of LoRA adapters) must draw the same masks when backward recomputes the tiles.
+        ctx.rng = _rng_state(x.device) if mlp.training else None
+        ctx.save_for_backward(x)
+        flat = x.reshape(-1, x.shape[-1])
+        out = None
+        for start, stop in _bounds(flat.shape[0], tiles):
+            y = _dense(mlp, flat[start:stop])
+            if out is None:  # one output buffer, not a list of tiles and their concatenation
+                out = y.new_empty((flat.shape[0], y.shape[-1]))
+            out[start:stop] = y
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (x,) = ctx.saved_tensors
+        mlp, params = ctx.mlp, ctx.params
+        wants_x = ctx.needs_input_grad[2]
+        trained = [param for param, wanted in zip(params, ctx.needs_input_grad[3:], strict=True) if wanted]
+        flat = x.detach().reshape(-1, x.shape[-1])
+        grad_flat = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_x = torch.empty_like(flat) if wants_x else None
+        sums: list[torch.Tensor | None] = [None] * len(trained)
+        with _replay(x.device, ctx.autocast, ctx.rng):
+            for start, stop in _bounds(flat.shape[0], ctx.tiles):
+                tile = flat[start:stop].detach().requires_grad_(wants_x)
+                with torch.enable_grad():
+                    y = _dense(mlp, tile)
+                inputs = ([tile] if wants_x else []) + trained
+                grads = torch.autograd.grad(y, inputs, grad_flat[start:stop], allow_unused=True)
+                if wants_x:
+                    grad_x[start:stop] = grads[0]
+                for i, grad in enumerate(grads[wants_x:]):
+                    if grad is not None:
+                        # Summed in at least float32: bfloat16 partial sums would round once per tile.
+                        grad = grad.to(torch.promote_types(grad.dtype, torch.float32))
+                        sums[i] = grad if sums[i] is None else sums[i].add_(grad)
+        by_param = iter(sums)
+        param_grads = [
+            _cast(next(by_param), param.dtype) if wanted else None
+            for param, wanted in zip(params, ctx.needs_input_grad[3:], strict=True)
+        ]
+        return None, None, grad_x.view_as(x) if wants_x else None, *param_grads
+
+
+def _cast(grad: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if grad is None else grad.to(dtype)
+
+
+def _bounds(tokens: int, tiles: int) -> list[tuple[int, int]]:
+    """Token ranges of ``tiles`` tiles as equal as can be: ``_bounds(10, 3) == [(0, 3), (3, 6), (6, 10)]``."""
+    edges = [tokens * i // tiles for i in range(tiles + 1)]
+    return list(zip(edges, edges[1:], strict=False))
+
+
+def _autocast_state(device_type: str) -> tuple[bool, torch.dtype]:
+    return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, Any]:
+    """The random state dropout draws from on ``device``: the CPU generator's, and the device's own."""
+    device_state = None if device.type == "cpu" else torch.get_device_module(device).get_rng_state(device)
+    return torch.get_rng_state(), device_state
+
+
+@contextlib.contextmanager
+def _replay(device: torch.device, autocast: tuple[bool, torch.dtype], rng: tuple | None):
+    """Run the recompute as the forward ran: same autocast, same random state (then the state is restored)."""
+    enabled, dtype = autocast
+    devices = [] if device.type == "cpu" else [device]
+    with (
+        torch.random.fork_rng(devices=devices, enabled=rng is not None, device_type=device.type),
+        torch.autocast(device.type, dtype=dtype, enabled=enabled),
+    ):
+        if rng is not None:
+            torch.set_rng_state(rng[0])
+            if rng[1] is not None:
+                torch.get_device_module(device).set_rng_state(rng[1], device)
+        yield

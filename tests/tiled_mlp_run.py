@@ -1,0 +1,152 @@
+"""One optimizer step of LongAlignTrainer in float64, with the MLPs tiled or not; writes what the step did.
+
+Imported by tests/test_tiled_mlp.py and tests/test_offload.py for one process, and run under
+``accelerate launch`` for the multi-rank cases, every variant of a launch in one process:
+
+    accelerate launch --multi_gpu --num_processes 2 tests/tiled_mlp_run.py OUT.pt SIZE ZERO_STAGE VARIANT...
+
+``SIZE`` is the sequence-parallel size, ``ZERO_STAGE`` ``none`` (DDP) or a DeepSpeed ZeRO stage. A variant
+is a model family with switches, ``FAMILY[+tiled][+checkpointing][+offload][+adapters][+uneven]``:
+``tiled`` runs the MLPs in tiles of :data:`TILE_TOKENS` tokens, ``checkpointing`` turns activation
+checkpointing on, ``offload`` keeps its inputs in host memory, ``adapters`` trains LoRA adapters on
+every projection (:data:`ADAPTERS`), ``uneven`` trains on two packs of very different lengths, one per
+rank. For each variant rank 0 writes the update of one plain SGD step (learning rate 1, no clipping:
+the gradient the engine applied) to every trained parameter, the step's loss, and the token count of
+every call of the first layer's MLP on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+import datasets
+import torch
+from conftest import pack_row, tiny_model
+from invariance_run import samples
+from sequence_parallel_run import deepspeed_config, deepspeed_on_cpu, parameters
+from transformers import TrainingArguments
+
+import longalign.patch
+from longalign.config import LoraConfig
+from longalign.lora import add_adapters
+from longalign.run import close, release
+from longalign.trainer import LongAlignTrainer
+
+TILE_TOKENS = 8  # 2 to 7 tiles per micro-batch of these packs (and of their halves), ending in a shorter one
+# Adapters on every projection, the MLP's included; the norms train whole. No dropout: tiles draw their
+# masks tile by tile, so a tiled step with dropout is a different draw, not a different gradient.
+ADAPTERS = LoraConfig(r=4, alpha=8.0, trainable=["norms"])
+SWITCHES = ("tiled", "checkpointing", "offload", "adapters", "uneven")
+
+
+def parse(variant: str) -> tuple[str, set[str]]:
+    """``"llama+tiled+adapters"`` -> ``("llama", {"tiled", "adapters"})``."""
+    family, *switches = variant.split("+")
+    unknown = set(switches) - set(SWITCHES)
+    assert not unknown, f"unknown switches {sorted(unknown)}; use {', '.join(SWITCHES)}"
+    return family, set(switches)
+
+
+def packs(uneven: bool) -> datasets.Dataset:
+    """Two packs of four samples (36 and 34 tokens); ``uneven``: one of six samples (51), one of one (14)."""
+    items = samples()
+    groups = [items[:6], items[6:7]] if uneven else [items[:4], items[4:]]
+    return datasets.Dataset.from_list([pack_row(group) for group in groups])
+
+
+def model(family: str, switches: set[str], size: int) -> torch.nn.Module:
+    """The family's tiny model in float64, patched as the variant says."""
+    base = tiny_model(family, backend="sdpa_segments", sequence_parallel_size=size).double()
+    if "tiled" in switches:
+        longalign.patch.tile_mlp(base, tile_tokens=TILE_TOKENS)
+    if "offload" in switches:
+        longalign.patch.offload_checkpointed_inputs(base)
+    if "adapters" not in switches:
+        return base
+    adapted = add_adapters(base, ADAPTERS, base_model="tiny")
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():  # B random: at peft's zero, A's gradient would be zero
+        for name, param in adapted.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.1)
+    return adapted
+
+
+def one_step(variant: str, *, size: int = 1, zero_stage: int | None = None) -> dict:
+    """The update of one step over all packs, the step's loss, and the tokens of each MLP call."""
+    family, switches = parse(variant)
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    data = packs("uneven" in switches)
+    if zero_stage is not None:
+        deepspeed_on_cpu()
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(
+            output_dir=out,
+            per_device_train_batch_size=1,
+            gradient_accumulation_steps=max(1, len(data) * size // world_size),  # every pack in the one step
+            max_steps=1,
+            optim="sgd",
+            learning_rate=1.0,
+            lr_scheduler_type="constant",
+            weight_decay=0.0,
+            max_grad_norm=0.0,
+            activation_checkpointing="checkpointing" in switches,
+            use_cpu=zero_stage is None,
+            accelerator_config={"use_configured_state": zero_stage is not None},
+            report_to="none",
+            save_strategy="no",
+            logging_steps=1,
+            remove_unused_columns=False,
+            disable_tqdm=True,
+            seed=0,
+            # As the run sets it: DDP then checks that every parameter's gradient is reduced exactly once.
+            ddp_find_unused_parameters=False,
+            deepspeed=deepspeed_config(zero_stage) if zero_stage is not None else None,
+        )
+        # After the arguments, as the run loads its model: under ZeRO-3 the tiled MLPs become leaf modules.
+        trained = model(family, switches, size)
+        start = {name: p.detach().clone() for name, p in trained.named_parameters() if p.requires_grad}
+        tokens: list[int] = []
+        hook = first_mlp(trained).register_forward_pre_hook(
+            lambda module, args: tokens.append(args[0].shape[-2])
+        )
+        trainer = LongAlignTrainer(
+            model=trained,
+            args=args,
+            train_dataset=data,
+            weighting="sequence_level",
+            max_seq_len=128,
+            loss_chunk_size=7,
+            sequence_parallel_size=size,
+        )
+        loss = trainer.train().training_loss
+        assert trainer.is_deepspeed_enabled == (zero_stage is not None), "the launch picked another engine"
+        hook.remove()
+        params = parameters(trainer.model, zero_stage)
+        release(trainer)
+    update = {name: start[name] - params[name] for name in start}
+    return {"update": update, "loss": loss, "mlp_tokens": gathered(tokens)}
+
+
+def first_mlp(model: torch.nn.Module) -> torch.nn.Module:
+    return next(module for name, module in model.named_modules() if name.endswith("layers.0.mlp"))
+
+
+def gathered(values: list[int]) -> list[list[int]]:
+    """``values`` of every rank, by rank (one rank: ``[values]``)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [values]
+    out: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, values)
+    return out
+
+
+if __name__ == "__main__":
+    path, size, stage, *variants = sys.argv[1:]
+    zero_stage = None if stage == "none" else int(stage)
+    results = {variant: one_step(variant, size=int(size), zero_stage=zero_stage) for variant in variants}
+    if torch.distributed.get_rank() == 0:
+        torch.save(results, path)
+    close()
