@@ -49,6 +49,12 @@ _POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
 STOPPED = (
     "stopped"  # a rank's step was ended because another rank failed first (the other statuses: probe_step)
 )
+# On CPU the peak is the step process's resident set. glibc keeps freed memory of tensors under its (rising)
+# mmap threshold for reuse, so that set follows what the allocator kept, not the live tensors: a step
+# whose tensors are many and small (a tiled MLP) measured 4.0 and 1.3 KiB per token on the same model at
+# 8k-16k and 16k-32k. Tensors of 64 KiB and more taken straight from the OS go back to it when freed: 1.0
+# and 1.0 KiB. Set for the step unless the environment sets it.
+CPU_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
 def parse_length(text: str) -> int:
@@ -375,8 +381,12 @@ def _default_batch_size() -> int:
     return TrainingArguments.per_device_train_batch_size
 
 
-def _deepspeed_config(args: Mapping[str, Any]) -> dict[str, Any] | None:
+def _deepspeed_config(args: Mapping[str, Any], environ: Mapping[str, str]) -> dict[str, Any] | None:
+    """The run's DeepSpeed JSON: ``[training] deepspeed``, else the file an accelerate config names (which
+    ``accelerate launch`` exports as ``ACCELERATE_DEEPSPEED_CONFIG_FILE``, without the stage itself)."""
     value = args.get("deepspeed")
+    if value is None and environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        value = environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
     if isinstance(value, str) and Path(value).is_file():
         return json.loads(Path(value).read_text(encoding="utf-8"))
     return value if isinstance(value, dict) else None
@@ -384,7 +394,7 @@ def _deepspeed_config(args: Mapping[str, Any]) -> dict[str, Any] | None:
 
 def _zero_stage(args: Mapping[str, Any], environ: Mapping[str, str]) -> int | None:
     """The DeepSpeed ZeRO stage of the run (config file or launcher setting), or ``None`` without DeepSpeed."""
-    settings = _deepspeed_config(args)
+    settings = _deepspeed_config(args, environ)
     if settings is not None:
         return int(settings.get("zero_optimization", {}).get("stage", 0))
     if args.get("deepspeed") or environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
@@ -399,7 +409,7 @@ def _offloaded(args: Mapping[str, Any], environ: Mapping[str, str]) -> set[str]:
         return {"parameters", "optimizer"}
     if environ.get("FSDP_OFFLOAD_PARAMS", "").lower() == "true":
         return {"parameters", "optimizer"}
-    zero = (_deepspeed_config(args) or {}).get("zero_optimization", {})
+    zero = (_deepspeed_config(args, environ) or {}).get("zero_optimization", {})
     found = set()
     for key, what in (("offload_param", "parameters"), ("offload_optimizer", "optimizer")):
         device = zero.get(key, {}).get("device", "none")
@@ -626,6 +636,7 @@ def ladder(request: ProbeRequest, cfg: Config, say: Callable[[str], None]) -> in
     # No synthetic sample longer than the model's window, which the run would refuse.
     window = getattr(model_config(cfg).get_text_config(), "max_position_embeddings", None)
     compare = request.compare_full
+    cpu = cfg.training.args.get("use_cpu") or not torch.cuda.is_available()
     ranks.say(format_row(None, compare_full=compare))
     full_fits = compare  # full fine-tuning is run until its first failure
     # The steps' files live next to the report: a killed probe's are removed by the next one there.
@@ -634,11 +645,11 @@ def ladder(request: ProbeRequest, cfg: Config, say: Callable[[str], None]) -> in
             pack = synthetic_pack(length, vocab_size=vocab_size, seed=request.seed, longest=window)
             work = Path(tmp) / format_length(length)
             datasets.Dataset.from_list([pack] * (per_rank * groups)).save_to_disk(str(work / "packs"))
-            result = _run_length(request, length, work, ranks)
+            result = _run_length(request, length, work, ranks, cpu=cpu)
             entry = combine_ranks(length, ranks.gather(result), max_memory=request.max_memory)
             entry.update(samples_per_pack=len(pack["seq_lens"]), packs_per_rank=per_rank)
             if full_fits and entry["status"] == FITS:
-                result = _run_length(request, length, work, ranks, full=True)
+                result = _run_length(request, length, work, ranks, full=True, cpu=cpu)
                 entry["full"] = combine_ranks(length, ranks.gather(result), max_memory=request.max_memory)
                 full_fits = entry["full"]["status"] == FITS
             entry["growth_per_token"] = growth(entries[-1] if entries else None, entry, split)
@@ -716,10 +727,10 @@ def _report(
 
 
 def _run_length(
-    request: ProbeRequest, length: int, work: Path, ranks: Ranks, *, full: bool = False
+    request: ProbeRequest, length: int, work: Path, ranks: Ranks, *, full: bool = False, cpu: bool = False
 ) -> dict[str, Any]:
-    """This rank's step at ``length`` in a fresh process (``full``: without ``[lora]``); its result, or why
-    it has none."""
+    """This rank's step at ``length`` in a fresh process (``full``: without ``[lora]``; ``cpu``: the run
+    trains on the CPU, see :data:`CPU_ALLOCATOR`); its result, or why it has none."""
     variant = "-full" if full else ""
     result_path, log_path = work / f"result{variant}.json", work / f"step{variant}.log"
     command = [
@@ -729,7 +740,10 @@ def _run_length(
         *(["--full-finetune"] if full else []), *request.overrides,
     ]  # fmt: skip
     with open(log_path, "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=ranks.step_env())
+        env = ranks.step_env()
+        if cpu:
+            env = {**CPU_ALLOCATOR, **env}
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             stopped = ranks.wait(process, f"{length}{variant}")
         finally:
