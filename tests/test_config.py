@@ -232,6 +232,8 @@ SHIPPED = {
     "glm4_9b_128k_sp4.toml": (131072, 4),
     "longalign_recipe.toml": (65536, 1),
     "llama3_8b_64k_lora.toml": (65536, 1),
+    "llama3_8b_1m_sp8.toml": (1048576, 8),
+    "llama3_8b_512k_1gpu.toml": (524288, 1),
 }
 
 
@@ -246,7 +248,7 @@ def test_shipped_run_configs_load(name):
         assert cfg.model.torch_dtype == "bfloat16"
 
 
-@pytest.mark.parametrize("name", ["zero3.json", "zero3_offload.json"])
+@pytest.mark.parametrize("name", ["zero3.json", "zero3_offload.json", "zero3_offload_optimizer.json"])
 def test_deepspeed_sizes_are_integers(name):
     """DeepSpeed >= 0.15 rejects float bucket sizes and thresholds (e.g. 5e7 written as a float)."""
     import json

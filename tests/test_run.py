@@ -450,9 +450,51 @@ def test_every_shipped_run_file_dry_runs_on_a_planning_machine(planning_machine,
         ]
     if cfg.training.args.get("bf16"):
         expected.append("needs a GPU, not checked here (none on this machine): training.bf16 = true")
+    if cfg.model.config_overrides:
+        expected.append("window, nor its config_overrides")
     for line in expected:
         assert line in out, line
     assert out.rstrip().endswith("dry run: no model weights loaded, nothing trained")
+
+
+# Llama-3.1-8B-Instruct's config.json, as the Hub has it (the weights are not needed for a dry run).
+LLAMA_31_8B = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072,
+    "mlp_bias": False, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32,
+    "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.0.dev0", "use_cache": True, "vocab_size": 128256,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name, window, factor",
+    [("llama3_8b_1m_sp8.toml", 1048576, 8.0), ("llama3_8b_512k_1gpu.toml", 524288, 4.0)],
+)
+def test_the_long_context_run_files_extend_llama_31_with_yarn(planning_machine, name, window, factor, capsys):
+    """With the checkpoint's config.json in the cache, the dry run applies the run file's overrides to it."""
+    from longalign.cli import main
+
+    snapshot = planning_machine / "hub" / "models--meta-llama--Llama-3.1-8B-Instruct" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps(LLAMA_31_8B))
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("abc")
+    argv = ["train", "--config", str(ROOT / "configs" / name), f"model.tokenizer='{TOKENIZER}'", "--dry-run"]
+    assert main(argv) == 0
+    note = next(
+        line for line in capsys.readouterr().out.splitlines() if line.startswith("model config_overrides")
+    )
+    assert note == (
+        f"model config_overrides: max_position_embeddings 131072 -> {window}; rope_parameters "
+        '{"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 8192, '
+        f'"rope_type": "llama3", "rope_theta": 500000.0}} -> {{"rope_type": "yarn", "factor": {factor}, '
+        '"original_max_position_embeddings": 131072, "rope_theta": 500000.0}'
+    )
 
 
 def test_gpu_settings_are_listed_not_refused_without_a_gpu(planning_machine):
