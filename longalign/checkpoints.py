@@ -397,7 +397,7 @@ def _overridden_rope(config: PretrainedConfig, overrides: Mapping[str, Any]) -> 
         if key in overrides:
             for table in tables.values():
                 table[key] = overrides[key]
-    return {layer: table for layer, table in tables.items()} if layers else tables[None]
+    return tables if layers else tables[None]
 
 
 def _built(cls: type[PretrainedConfig], settings: dict[str, Any]) -> PretrainedConfig:

@@ -364,14 +364,26 @@ def check_positions(config, packs, path: str, cfg: Config) -> None:
     longest = pc.max(pc.list_flatten(packs.data.column("seq_lens"))).as_py()
     if window is None or longest is None or longest <= window:
         return
-    if cfg.model.init_from_config is not None:
+    mc = cfg.model
+    factor = 2 ** math.ceil(math.log2(longest / window))
+    yarn = f'rope_parameters = {{ rope_type = "yarn", factor = {factor:.1f} }}'
+    pretrained = mc.init_from_config is None
+    layout = (
+        pretrained
+        and checkpoints.find_checkpoint(mc.model_name_or_path, trust_remote_code=mc.trust_remote_code).layout
+    )
+    if not pretrained:
         fix = f"raise max_position_embeddings in model.init_from_config to {longest} or more"
-    else:
-        factor = 2 ** math.ceil(math.log2(longest / window))
+    elif layout == checkpoints.CHATGLM and mc.save_format != checkpoints.NATIVE:  # it holds plain RoPE only
         fix = (
-            f"extend it with model.config_overrides = {{ max_position_embeddings = {window * factor}, "
-            f'rope_parameters = {{ rope_type = "yarn", factor = {factor:.1f} }} }}, or leave the longer samples '
+            f"extend it with model.config_overrides = {{ max_position_embeddings = {window * factor}, rope_theta "
+            f'= ... }} (a larger base), or {yarn} with model.save_format = "native", or leave the longer samples '
             f"out (data.max_seq_len_filter = {window})"
+        )
+    else:
+        fix = (
+            f"extend it with model.config_overrides = {{ max_position_embeddings = {window * factor}, {yarn} }}, "
+            f"or leave the longer samples out (data.max_seq_len_filter = {window})"
         )
     raise ConfigError(
         f"{path}: samples of up to {longest} tokens are longer than the model's max_position_embeddings = "

@@ -817,3 +817,20 @@ def test_a_chatglm_checkpoint_trains_past_its_window_with_a_new_base_and_is_save
     assert relative_error(logits, reference_logits(read_weights(out), saved, ids)) < 1e-5
     release(trainer)
     close()
+
+
+def test_a_chatglm_window_too_short_for_the_samples_names_what_the_layout_can_hold(tmp_path, glm4_dir):
+    from longalign.config import load_config
+    from longalign.run import check_positions
+
+    packs = datasets.load_from_disk(str(window_packs(tmp_path / "packs", vocab_size=VOCAB_RANKS)))
+    cfg = load_config(None, [f"model.model_name_or_path='{glm4_dir}'"])
+    with pytest.raises(ConfigError) as err:
+        check_positions(checkpoints.model_config(str(glm4_dir)), packs, "the training data", cfg)
+    assert str(err.value) == (
+        "the training data: samples of up to 4096 tokens are longer than the model's max_position_embeddings = "
+        "2048 (positions restart with each sample: each sample must fit); extend it with model.config_overrides "
+        "= { max_position_embeddings = 4096, rope_theta = ... } (a larger base), or rope_parameters = { rope_type = "
+        '"yarn", factor = 2.0 } with model.save_format = "native", or leave the longer samples out '
+        "(data.max_seq_len_filter = 2048)"
+    )
