@@ -556,7 +556,7 @@ def format_plan(rows: list[dict[str, Any]], *, gpus: int, gpu_memory: int | None
     lines = [
         f"plan: peak per GPU on {gpus} GPU(s){memory}",
         f"{'length':<7}{'tokens/GPU':>11}{'from':>11}{'per token':>11}{'weights':>12}{'gradients':>12}"
-        f"{'optimizer':>12}{'other':>12}{'activations':>12}{'peak':>12}{'measured':>18}  fits",
+        f"{'optimizer':>12}{'other':>12}{'activations':>13}{'peak':>12}{'measured':>20}  fits",
     ]
     for row in rows:
         start = f"{format_length(row['length']):<7}{row['tokens_per_gpu']:>11,}"
@@ -575,8 +575,8 @@ def format_plan(rows: list[dict[str, Any]], *, gpus: int, gpu_memory: int | None
         lines.append(
             f"{start}{'+'.join(map(format_length, row['from'])):>11}"
             f"{format_bytes(row['bytes_per_token'], digits=1):>11}"
-            + "".join(f"{format_bytes(part):>12}" for part in parts)
-            + f"{measured:>18}  {fits}"
+            + "".join(f"{format_bytes(part):>{13 if i == 4 else 12}}" for i, part in enumerate(parts))
+            + f"{measured:>20}  {fits}"
         )
     return "\n".join(lines)
 
