@@ -14,13 +14,15 @@ Without CUDA it says so in one line and exits 2, before building anything. With 
    forward+backward of 8k/32k/64k tokens; tokens/s and peak GPU memory. transformers' own sdpa, which masks
    packed samples with a dense ``[T, T]`` mask built from ``position_ids``, is the last row;
 4. long-context ladder: two Llama-3.1-8B-shaped layers (hidden 4096, MLP 14336, 32 heads and 8 KV heads
-   of 128, vocabulary 128,256, random weights, bf16) trained by the run's own trainer with
-   ``[training] tiled_mlp`` and ``offload_activations`` on (and checkpointing, the chunked loss, AdamW),
-   one synthetic pack per step at each ladder length (64k to 512k tokens by default). Per length: the
-   second step's time, the peak GPU memory (``max_memory_allocated``), its growth per token from the
-   length before, and the pinned host memory the offload held per token and layer. What grows per token
-   on the GPU is the one layer being recomputed and the loss, not the layers: a plan for 32 layers adds
-   32 x the host figure per token in host memory. About 2 minutes on one H100.
+   of 128, vocabulary 128,256, its RoPE; random weights, bf16, attention ``auto``: flash-attn, else
+   PyTorch's varlen kernel) trained by the run's own trainer with ``[training] tiled_mlp`` and
+   ``offload_activations`` on (and checkpointing, the chunked loss, AdamW), on the probe's synthetic
+   pack at each ladder length (64k to 512k tokens by default). Per length: the second step's time, the
+   peak GPU memory (``max_memory_allocated``), its growth per token from the length before, and the
+   pinned host memory the offload held per token and layer. With the inputs offloaded, what grows per
+   token on the GPU is the one layer being recomputed and the loss, whatever the number of layers; a
+   plan for 32 layers adds 32 x the host figure per token in host memory. The ladder stops at the first
+   length that runs out of memory. Sized for a few minutes on one H100; not yet run on a GPU.
 
 Exits 1 when a backend disagrees.
 """
@@ -320,8 +322,13 @@ def main() -> int:
     runnable = [backend for backend in GPU_BACKENDS if reasons[backend] is None]
     ok = check_agreement(device, runnable)
     throughput(device, runnable, args.tokens, args.steps)
-    long_context_ladder(ladder, LLAMA_31_8B_LAYERS, [*LONG_CONTEXT, "training.use_cpu=false", "training.bf16=true",
-                                                     "model.torch_dtype='bfloat16'"])  # fmt: skip
+    on_gpu = [
+        "training.use_cpu=false",
+        "training.bf16=true",
+        "model.torch_dtype='bfloat16'",
+        "model.attn_backend='auto'",
+    ]
+    long_context_ladder(ladder, LLAMA_31_8B_LAYERS, [*LONG_CONTEXT, *on_gpu])
     print("\nall backends agree" if ok else "\nSOME BACKENDS DISAGREE")
     return 0 if ok else 1
 

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -51,6 +50,7 @@ from typing import Any
 
 import datasets
 import torch
+from cpu_ranks import command, environment
 from long_context_step import RANKS, VARIANTS, LiveTensors
 
 from longalign.patch.tiled_mlp import tiled_forward
@@ -76,21 +76,20 @@ def pack(length: int, vocab_size: int) -> dict[str, list[int]]:
 def in_fresh_processes(variant: str, length: int, args: argparse.Namespace) -> dict[str, Any]:
     """``variant`` at ``length`` in processes of its own (one per rank); the worse rank's result."""
     ranks = RANKS.get(variant, 1)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one core per rank, as one GPU per rank
+    env = environment(ranks=ranks, threads=1)  # one core per rank, as one GPU per rank
     with tempfile.TemporaryDirectory() as work:
         datasets.Dataset.from_list([pack(length, 31 * args.hidden)]).save_to_disk(f"{work}/packs")
-        command = [str(WORKER), variant, str(length), work, "--hidden", str(args.hidden)]
-        command += ["--layers", str(args.layers)]
-        if ranks == 1:
-            command = [sys.executable, *command]
-        else:
-            env["ACCELERATE_USE_CPU"] = "1"
-            command = [
-                str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu",
-                "--num_processes", str(ranks), "--num_machines", "1", "--mixed_precision", "no",
-                "--dynamo_backend", "no", "--main_process_port", "0", *command,
-            ]  # fmt: skip
-        result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
+        worker = [
+            str(WORKER),
+            variant,
+            str(length),
+            work,
+            f"--hidden={args.hidden}",
+            f"--layers={args.layers}",
+        ]
+        result = subprocess.run(
+            command(worker, ranks=ranks), capture_output=True, text=True, env=env, cwd=ROOT
+        )
         if result.returncode != 0:
             sys.exit(
                 f"{variant} at {length} tokens failed:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
@@ -134,8 +133,8 @@ def main() -> None:
     print(
         f"torch {torch.__version__}, CPU, float32; Llama-shaped: hidden {args.hidden}, intermediate "
         f"{args.hidden * 7 // 2}, {args.layers} layers, {args.hidden // 32} heads / {args.hidden // 128} KV, vocab "
-        f"{31 * args.hidden}; chunked loss 1024; one pack per step; step peak = tensor bytes the step held "
-        "beyond weights and optimizer states"
+        f"{31 * args.hidden}; chunked loss 1024; one SGD step on one pack of 1k-token samples, one thread per "
+        "rank; step peak = tensor bytes the step held beyond the weights"
     )
     rows = {
         (variant, length): in_fresh_processes(variant, length, args)
