@@ -1,8 +1,9 @@
-"""GPU check, one script: every GPU attention backend against ``sdpa_segments``, then packed training speed.
+"""GPU check, one script: every GPU attention backend against ``sdpa_segments``, packed training speed, and
+what long packs cost per token.
 
-    python benchmarks/gpu_check.py [--tokens 8192 32768 65536] [--steps 3]
+    python benchmarks/gpu_check.py [--tokens 8192 32768 65536] [--steps 3] [--ladder 64k,128k,256k,512k]
 
-Without CUDA it says so and exits 0. With CUDA:
+Without CUDA it says so in one line and exits 2, before building anything. With CUDA:
 
 1. backends: which ones run here, and why the others do not;
 2. agreement: a long-tail pack (single-token and odd-length samples, GQA 16/4 heads, head_dim 128) in
@@ -11,7 +12,17 @@ Without CUDA it says so and exits 0. With CUDA:
    error is at most a small multiple of the error ``sdpa_segments`` itself makes in bfloat16 (plus a floor);
 3. throughput: a small Llama (bfloat16, ~150M parameters) patched with each runnable backend, one packed
    forward+backward of 8k/32k/64k tokens; tokens/s and peak GPU memory. transformers' own sdpa, which masks
-   packed samples with a dense ``[T, T]`` mask built from ``position_ids``, is the last row.
+   packed samples with a dense ``[T, T]`` mask built from ``position_ids``, is the last row;
+4. long-context ladder: two Llama-3.1-8B-shaped layers (hidden 4096, MLP 14336, 32 heads and 8 KV heads
+   of 128, vocabulary 128,256, its RoPE; random weights, bf16, attention ``auto``: flash-attn, else
+   PyTorch's varlen kernel) trained by the run's own trainer with ``[training] tiled_mlp`` and
+   ``offload_activations`` on (and checkpointing, the chunked loss, AdamW), on the probe's synthetic
+   pack at each ladder length (64k to 512k tokens by default). Per length: the second step's time, the
+   peak GPU memory (``max_memory_allocated``), its growth per token from the length before, and the
+   pinned host memory the offload held per token and layer. With the inputs offloaded, what grows per
+   token on the GPU is the one layer being recomputed and the loss, whatever the number of layers; a
+   plan for 32 layers adds 32 x the host figure per token in host memory. The ladder stops at the first
+   length that runs out of memory. Sized for a few minutes on one H100; not yet run on a GPU.
 
 Exits 1 when a backend disagrees.
 """
@@ -19,14 +30,55 @@ Exits 1 when a backend disagrees.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import sys
+import tempfile
 import time
+from pathlib import Path
 
+import datasets
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import longalign.patch
 from longalign.attention import available_backends, varlen_attention
+from longalign.config import load_config
+from longalign.probe import format_bytes, parse_lengths, synthetic_pack
+from longalign.probe_step import measure_steps, probe_overrides
+from longalign.run import build_trainer, release
+
+ROOT = Path(__file__).resolve().parents[1]
+# Two layers of Llama-3.1-8B, its RoPE included: what each token costs does not depend on the weights.
+LLAMA_31_8B_LAYERS = {
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 1048576,
+    "rope_parameters": {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "tie_word_embeddings": False,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "pad_token_id": 128001,
+}
+LONG_CONTEXT = [
+    "training.activation_checkpointing=true",
+    "training.tiled_mlp=true",
+    "training.offload_activations=true",
+    "loss.chunk_size=4096",
+]
 
 GPU_BACKENDS = ("flash_attn", "flash_attn_cute", "torch_varlen")
 OUTPUT_SLACK, GRAD_SLACK, FLOOR = 2.0, 3.0, 1e-3
@@ -173,18 +225,94 @@ def throughput(device: torch.device, runnable: list[str], token_counts: list[int
         print(f"{row:<28}" + "".join(cells))
 
 
+def toml_value(value) -> str:
+    """A Python value as TOML writes it inline: ``{a = 1, b = "x"}``."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{key} = {toml_value(item)}" for key, item in value.items()) + "}"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return f'"{value}"' if isinstance(value, str) else repr(value)
+
+
+def ladder_step(length: int, model: dict, overrides: list[str], work: Path) -> dict:
+    """Two optimizer steps of the run's trainer on one synthetic pack of ``length`` tokens; what they cost."""
+    packs = work / f"packs-{length}"
+    datasets.Dataset.from_list([synthetic_pack(length, vocab_size=model["vocab_size"])]).save_to_disk(packs)
+    settings = probe_overrides(length, train_file=packs, output_dir=work / f"run-{length}")
+    settings += [
+        f"model.init_from_config={toml_value(model)}",
+        f"model.tokenizer='{ROOT / 'data' / 'tokenizer'}'",
+    ]
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.reset_peak_host_memory_stats()
+    # On the GPU the random weights are made there, in a second rather than a minute on the CPU.
+    with torch.device("cuda") if cuda else contextlib.nullcontext():
+        trainer = build_trainer(load_config(ROOT / "configs" / "demo.toml", [*settings, *overrides]))
+    try:
+        measured = measure_steps(trainer)
+    except torch.OutOfMemoryError as err:
+        return {"tokens": length, "error": f"out of memory: {str(err).splitlines()[0][:120]}"}
+    finally:
+        release(trainer)
+        del trainer
+        gc.collect()
+    host = torch.cuda.host_memory_stats().get("active_bytes.peak", 0) if cuda else 0
+    return {"tokens": length, **measured, "host_bytes": host}
+
+
+def long_context_ladder(lengths: list[int], model: dict, overrides: list[str]) -> list[dict]:
+    """:func:`ladder_step` at every length, smallest first, printed as a table as it goes."""
+    layers = model["num_hidden_layers"]
+    print(
+        f"\nlong-context ladder: {layers} layers of hidden {model['hidden_size']}, MLP {model['intermediate_size']}, "
+        f"vocabulary {model['vocab_size']:,}; {', '.join(o.split('.', 1)[1] for o in overrides)}"
+    )
+    print(
+        f"{'tokens':>8}{'step s':>9}{'tok/s':>9}{'GPU peak':>12}{'growth/token':>14}{'host/token/layer':>18}"
+    )
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as work:
+        for length in lengths:
+            row = ladder_step(length, model, overrides, Path(work))
+            if "error" in row:
+                print(f"{length:>8,}  {row['error']}")
+                break
+            before = rows[-1] if rows else None
+            growth = (
+                (row["peak_bytes"] - before["peak_bytes"]) / (length - before["tokens"]) if before else None
+            )
+            row["growth_bytes_per_token"] = growth
+            host = row["host_bytes"] / length / layers
+            print(
+                f"{length:>8,}{row['step_seconds']:>9.2f}{length / row['step_seconds']:>9,.0f}"
+                f"{format_bytes(row['peak_bytes']):>12}{f'{growth:,.0f} B' if growth else '-':>14}"
+                f"{f'{host:,.0f} B' if host else '-':>18}"
+            )
+            rows.append(row)
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768, 65536])
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument(
+        "--ladder", default="64k,128k,256k,512k", help="pack lengths of the long-context ladder"
+    )
     args = parser.parse_args()
+    ladder = parse_lengths(args.ladder)
     if not torch.cuda.is_available():
         print(
-            "no CUDA device: nothing to check here (tests/test_attention.py skips its GPU cases the same way)"
+            "gpu_check: no CUDA device, nothing to check here (tests/test_attention.py skips its GPU cases the "
+            "same way; tests/test_gpu_check.py runs the ladder's code on CPU at a tiny size)",
+            file=sys.stderr,
         )
-        return 0
+        return 2
     device = torch.device("cuda")
     name, capability = torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
     print(f"{name}, compute capability {capability[0]}.{capability[1]}, torch {torch.__version__}")
@@ -194,6 +322,13 @@ def main() -> int:
     runnable = [backend for backend in GPU_BACKENDS if reasons[backend] is None]
     ok = check_agreement(device, runnable)
     throughput(device, runnable, args.tokens, args.steps)
+    on_gpu = [
+        "training.use_cpu=false",
+        "training.bf16=true",
+        "model.torch_dtype='bfloat16'",
+        "model.attn_backend='auto'",
+    ]
+    long_context_ladder(ladder, LLAMA_31_8B_LAYERS, [*LONG_CONTEXT, *on_gpu])
     print("\nall backends agree" if ok else "\nSOME BACKENDS DISAGREE")
     return 0 if ok else 1
 

@@ -22,6 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from cpu_ranks import command, environment
+
 from longalign.probe import format_bytes, parse_length
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,21 +32,12 @@ ROOT = Path(__file__).resolve().parents[1]
 def probe(config: Path, length: int, size: int, output: Path) -> dict:
     """The probe's entry for ``length`` with packs split over ``size`` ranks (one process when 1)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, cores // size))}  # the same cores for both rows
-    command = [
+    env = environment(ranks=size, threads=max(1, cores // size))  # the same cores for both rows
+    args = [
         "-m", "longalign", "probe", "--config", str(config), "--lengths", str(length),
         "--output", str(output), f"training.sequence_parallel_size={size}",
     ]  # fmt: skip
-    if size == 1:
-        command = [sys.executable, *command]
-    else:
-        env["ACCELERATE_USE_CPU"] = "1"
-        command = [
-            str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu",
-            "--num_processes", str(size), "--num_machines", "1", "--mixed_precision", "no",
-            "--dynamo_backend", "no", "--main_process_port", "0", *command,
-        ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
+    result = subprocess.run(command(args, ranks=size), capture_output=True, text=True, env=env, cwd=ROOT)
     if result.returncode != 0 or not output.exists():
         sys.exit(f"probe with N = {size} failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
     entry = json.loads(output.read_text())["results"][0]

@@ -165,8 +165,13 @@ def _cast(grad: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
 
 
 def _bounds(tokens: int, tiles: int) -> list[tuple[int, int]]:
-    """Token ranges of ``tiles`` tiles as equal as can be: ``_bounds(10, 3) == [(0, 3), (3, 6), (6, 10)]``."""
-    edges = [tokens * i // tiles for i in range(tiles + 1)]
+    """Token ranges of ``tiles`` tiles, cut as ``torch.tensor_split`` cuts: the first ones one longer.
+
+    >>> _bounds(10, 3)
+    [(0, 4), (4, 7), (7, 10)]
+    """
+    size, longer = divmod(tokens, tiles)
+    edges = [i * size + min(i, longer) for i in range(tiles + 1)]
     return list(zip(edges, edges[1:], strict=False))
 
 

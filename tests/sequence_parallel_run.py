@@ -99,6 +99,32 @@ def deepspeed_on_cpu() -> None:
     PartialState(cpu=False, backend="gloo")
 
 
+def sgd_step_arguments(out: str, accumulation: int, zero_stage: int | None, **extra) -> TrainingArguments:
+    """One optimizer step of plain SGD, learning rate 1, no clipping: the update is the applied gradient."""
+    return TrainingArguments(
+        output_dir=out,
+        per_device_train_batch_size=1,
+        per_device_eval_batch_size=1,
+        gradient_accumulation_steps=accumulation,
+        max_steps=1,
+        optim="sgd",
+        learning_rate=1.0,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_grad_norm=0.0,
+        use_cpu=zero_stage is None,
+        # DeepSpeed: the process state set up by deepspeed_on_cpu(), which accelerate would not build.
+        accelerator_config={"use_configured_state": zero_stage is not None},
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,  # the logged loss is the mean over ranks; unlogged, only rank 0's part
+        remove_unused_columns=False,
+        disable_tqdm=True,
+        deepspeed=deepspeed_config(zero_stage) if zero_stage is not None else None,
+        **extra,
+    )
+
+
 def one_step(variant: str, *, size: int = 1, zero_stage: int | None = None) -> dict:
     """Parameters after one step over all packs, the step's loss and the eval loss, for one variant."""
     weighting, _, control = variant.partition(":")
@@ -107,28 +133,8 @@ def one_step(variant: str, *, size: int = 1, zero_stage: int | None = None) -> d
     if zero_stage is not None:
         deepspeed_on_cpu()
     with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(
-            output_dir=out,
-            per_device_train_batch_size=1,
-            per_device_eval_batch_size=1,
-            gradient_accumulation_steps=len(packs()) // groups,  # every pack in the one step
-            max_steps=1,
-            optim="sgd",
-            learning_rate=1.0,
-            lr_scheduler_type="constant",
-            weight_decay=0.0,
-            max_grad_norm=0.0,
-            activation_checkpointing=True,
-            use_cpu=zero_stage is None,
-            # DeepSpeed: the process state set up by deepspeed_on_cpu(), which accelerate would not build.
-            accelerator_config={"use_configured_state": zero_stage is not None},
-            report_to="none",
-            save_strategy="no",
-            logging_steps=1,  # the logged loss is the mean over ranks; unlogged, only rank 0's part
-            remove_unused_columns=False,
-            disable_tqdm=True,
-            deepspeed=deepspeed_config(zero_stage) if zero_stage is not None else None,
-        )
+        # every pack in the one step
+        args = sgd_step_arguments(out, len(packs()) // groups, zero_stage, activation_checkpointing=True)
         assert args.world_size == world_size  # and the process group is up, as the model's patch needs
         collator = None
         if control in CONTROLS:

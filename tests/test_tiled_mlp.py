@@ -165,24 +165,28 @@ def test_a_step_with_tiled_mlps_is_the_step_without(variant):
         assert any("mlp.down_proj.lora_A" in name for name in tiled["update"])  # adapters on the MLP trained
 
 
+def launched(tmp_path, size: int, stage: str, variants: list[str]) -> dict:
+    """``tiled_mlp_run.py`` on 2 CPU ranks: the results of every variant."""
+    out = tmp_path / "results.pt"
+    script = HERE / "tiled_mlp_run.py"
+    result = launch(script, str(out), str(size), stage, *variants, env={"PYTHONPATH": str(HERE)}, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return torch.load(out)
+
+
 @pytest.mark.integration
 @needs_launcher
 @needs_deepspeed
 def test_split_packs_with_tiled_mlps_give_the_step_of_the_whole_packs(tmp_path):
     """DDP over 2 ranks, each pack split over both (sequence parallelism 2): each rank tiles its half."""
     variants = ["llama", "llama+tiled", "llama+tiled+checkpointing+adapters"]
-    out = tmp_path / "results.pt"
-    result = launch(
-        HERE / "tiled_mlp_run.py", str(out), "2", "none", *variants, env={"PYTHONPATH": str(HERE)}
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    results = torch.load(out)
+    results = launched(tmp_path, 2, "none", variants)
     for variant in variants:
         want = one_step(variant.replace("+tiled", ""))  # one process, packs whole, MLPs untiled
         assert relative_error(results[variant]["update"], want["update"]) < FLOAT64_BOUND, variant
         assert results[variant]["loss"] == pytest.approx(want["loss"], rel=FLOAT32_BOUND)
     halves = results["llama+tiled"]["mlp_tokens"]
-    assert halves == [[18, 17], [18, 17]]  # the packs of 36 and 34 tokens (padded to 36), half on each rank
+    assert halves == [[18, 17], [18, 17]]  # every rank: its half of the packs of 36 and of 34 tokens
 
 
 @pytest.mark.integration
@@ -191,12 +195,7 @@ def test_split_packs_with_tiled_mlps_give_the_step_of_the_whole_packs(tmp_path):
 def test_zero3_ranks_with_different_tile_counts_do_not_wait_on_each_other(tmp_path):
     """ZeRO-3 on 2 ranks, one pack each: 51 tokens (7 tiles) on one, 14 (2 tiles) on the other."""
     variants = ["llama+uneven", "llama+tiled+uneven", "llama+tiled+checkpointing+adapters+uneven"]
-    out = tmp_path / "results.pt"
-    result = launch(
-        HERE / "tiled_mlp_run.py", str(out), "1", "3", *variants, env={"PYTHONPATH": str(HERE)}, timeout=600
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    results = torch.load(out)
+    results = launched(tmp_path, 1, "3", variants)
     tokens = sorted(calls[0] for calls in results["llama+tiled+uneven"]["mlp_tokens"])
     assert [tile_count(n, TINY["hidden_size"], TILE_TOKENS) for n in tokens] == [2, 7]
     tiled, dense = results["llama+tiled+uneven"], results["llama+uneven"]

@@ -25,8 +25,7 @@ import datasets
 import torch
 from conftest import pack_row, tiny_model
 from invariance_run import samples
-from sequence_parallel_run import deepspeed_config, deepspeed_on_cpu, parameters
-from transformers import TrainingArguments
+from sequence_parallel_run import deepspeed_on_cpu, parameters, sgd_step_arguments
 
 import longalign.patch
 from longalign.config import LoraConfig
@@ -82,28 +81,13 @@ def one_step(variant: str, *, size: int = 1, zero_stage: int | None = None) -> d
     if zero_stage is not None:
         deepspeed_on_cpu()
     with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(
-            output_dir=out,
-            per_device_train_batch_size=1,
-            gradient_accumulation_steps=max(1, len(data) * size // world_size),  # every pack in the one step
-            max_steps=1,
-            optim="sgd",
-            learning_rate=1.0,
-            lr_scheduler_type="constant",
-            weight_decay=0.0,
-            max_grad_norm=0.0,
+        args = sgd_step_arguments(
+            out,
+            max(1, len(data) * size // world_size),  # every pack in the one step
+            zero_stage,
             activation_checkpointing="checkpointing" in switches,
-            use_cpu=zero_stage is None,
-            accelerator_config={"use_configured_state": zero_stage is not None},
-            report_to="none",
-            save_strategy="no",
-            logging_steps=1,
-            remove_unused_columns=False,
-            disable_tqdm=True,
-            seed=0,
             # As the run sets it: DDP then checks that every parameter's gradient is reduced exactly once.
             ddp_find_unused_parameters=False,
-            deepspeed=deepspeed_config(zero_stage) if zero_stage is not None else None,
         )
         # After the arguments, as the run loads its model: under ZeRO-3 the tiled MLPs become leaf modules.
         trained = model(family, switches, size)
