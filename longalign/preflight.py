@@ -1,7 +1,8 @@
 """Preflight: every rank reports what it would train with, and the ranks must agree before the first step.
 
 Each rank collects a list of :class:`Check` values (library versions, the attention backend, what trains:
-every weight or LoRA adapters, fingerprints of the config, tokenizer and packed dataset, the environment
+every weight or LoRA adapters, fingerprints of the config, how the checkpoint is read and what its
+``config_overrides`` change, fingerprints of the tokenizer and packed dataset, the environment
 variables the run depends on, a collective round trip, the host and device); rank 0 compares them and
 prints one table, one line per distinct value::
 
