@@ -43,6 +43,7 @@ from collections.abc import Callable
 from email import message_from_bytes
 from email.policy import HTTP
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 
@@ -251,6 +252,34 @@ class OpenAIStub:
             status, payload = 200, self.completion(body, f"chatcmpl-stub-batch-{custom_id[:8]}")
         return {"id": f"line-{custom_id[:8]}", "custom_id": custom_id,
                 "response": {"status_code": status, "request_id": custom_id[:8], "body": payload}, "error": None}  # fmt: skip
+
+
+class Gate:
+    """A reply function: ``reply(body)`` for the first ``open_for`` requests, then every later one held until ``release``.
+
+    A test holds a client mid-work with it (the held requests are in flight), and kills the client there.
+    """
+
+    def __init__(self, reply: Callable[[dict[str, Any]], str], open_for: int) -> None:
+        self.reply = reply
+        self.open_for = open_for
+        self.answered: list[dict[str, Any]] = []  # the bodies answered, in order
+        self.held: list[dict[str, Any]] = []  # the bodies held
+        self.release = threading.Event()
+        self._lock = threading.Lock()
+
+    def __call__(self, body: dict[str, Any]) -> str:
+        with self._lock:
+            hold = len(self.answered) >= self.open_for
+            (self.held if hold else self.answered).append(body)
+        if hold:
+            self.release.wait(timeout=600)
+        return self.reply(body)
+
+
+def finished_lines(path: Path) -> int:
+    """How many whole lines a file has (0 when it does not exist): a sign that a client got so far."""
+    return path.read_bytes().count(b"\n") if path.exists() else 0
 
 
 def _error(message: str, code: str) -> dict:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, TOKENIZER, run_process, train_demo
-from openai_stub import OpenAIStub
+from openai_stub import Gate, OpenAIStub, finished_lines
 
 from longalign.answers import BATCH, AnswerOptions, AnswerStore, work_path
 from longalign.cli import main
@@ -646,29 +646,6 @@ def test_the_key_is_in_no_file(tmp_path, docs, capsys):
 # --- the slow tier: a real kill, and the output as a train_file ------------------------------------------
 
 
-class Gate:
-    """A reply function that answers ``open_for`` requests, then holds every later one until ``release``."""
-
-    def __init__(self, open_for: int) -> None:
-        self.open_for = open_for
-        self.answered: list[dict] = []
-        self.release = threading.Event()
-        self._lock = threading.Lock()
-
-    def __call__(self, body: dict) -> str:
-        with self._lock:
-            hold = len(self.answered) >= self.open_for
-            if not hold:
-                self.answered.append(body)
-        if hold:
-            self.release.wait(timeout=600)
-        return scripted(body)
-
-
-def finished_lines(path: Path) -> int:
-    return path.read_bytes().count(b"\n") if path.exists() else 0
-
-
 @pytest.mark.integration
 def test_a_killed_run_restarted_pays_for_nothing_twice_and_writes_the_same_file(
     tmp_path, docs, sample_tokenizer
@@ -677,7 +654,7 @@ def test_a_killed_run_restarted_pays_for_nothing_twice_and_writes_the_same_file(
         run_self_instruct(docs, tmp_path / "whole", server, sample_tokenizer, per_doc=2)
         total = server.calls
     out = tmp_path / "gen"
-    gate = Gate(open_for=5)
+    gate = Gate(scripted, open_for=5)
     with OpenAIStub(gate, key=KEY) as server:
         cmd = [
             sys.executable,
@@ -720,6 +697,48 @@ def test_a_killed_run_restarted_pays_for_nothing_twice_and_writes_the_same_file(
         "gen",
         "whole",
     ]  # no work file, no staging left
+
+
+@pytest.mark.integration
+def test_a_run_killed_after_submitting_a_batch_polls_that_batch_again_on_restart(
+    tmp_path, docs, sample_tokenizer
+):
+    with OpenAIStub(scripted, key=KEY) as server:
+        run_self_instruct(docs, tmp_path / "online", server, sample_tokenizer, per_doc=2)
+    out = tmp_path / "gen"
+    held = threading.Event()  # the server keeps every batch in progress until it is set
+    with OpenAIStub(scripted, key=KEY, hold_batches=held) as server:
+        cmd = [sys.executable, "-m", "longalign",
+               *cli_args(docs, out, server.base_url, "--per-doc", "2", "--batch", "--batch-poll", "0.05")]  # fmt: skip
+        process = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+        )
+        try:
+            deadline = time.monotonic() + 300
+            while b'"batch": "batch_stub_1"' not in (
+                work_path(out).read_bytes() if work_path(out).exists() else b""
+            ):
+                assert process.poll() is None, process.communicate()[1].decode()[-2000:]
+                assert time.monotonic() < deadline, "the run never stored its batch id"
+                time.sleep(0.05)
+        finally:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+        assert process.returncode == -signal.SIGKILL
+        assert server.batches == ["batch_stub_1"] and server.batch_requests == []
+        held.set()
+        result = run_process(cmd, timeout=300, cwd=ROOT)
+        batches, lines_run = server.batches, server.batch_requests
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert batches == ["batch_stub_1", "batch_stub_2"]  # the instructions' batch read, not submitted again
+    assert len(lines_run) == len({canonical(b) for b in lines_run}) == 8
+    report = json.loads((out / "report.json").read_text())
+    assert (report["batch"]["picked_up"], report["batch"]["submitted"], report["batch"]["answered"]) == (
+        1,
+        1,
+        8,
+    )
+    assert (out / "data.jsonl").read_bytes() == (tmp_path / "online" / "data.jsonl").read_bytes()
 
 
 @pytest.mark.integration

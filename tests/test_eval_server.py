@@ -1,17 +1,24 @@
-"""``longalign eval`` against an OpenAI-compatible server started on 127.0.0.1 in the test (bearer key checked)."""
+"""``longalign eval`` against an OpenAI-compatible server started on 127.0.0.1 in the test (bearer key checked):
+scores, the answer store (reruns, a changed judge, a kill), batches, no tokenizer where none is needed."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
-from conftest import TOKENIZER, tiny_model
-from openai_stub import OpenAIStub
+from conftest import ROOT, TOKENIZER, run_process, tiny_model
+from openai_stub import Gate, OpenAIStub, finished_lines
 from transformers import AutoTokenizer
 
+from longalign.answers import work_path
 from longalign.cli import main
 from longalign.eval.judge import JUDGE_SYSTEM, QUALITY_SYSTEM
 
@@ -394,3 +401,38 @@ def test_eval_write_batch_file_only_then_batch_results_equals_the_batch_run(tmp_
         rounds += 1
     assert rounds == 2
     assert read_results(out) == read_results(tmp_path / "batch")
+
+
+@pytest.mark.integration
+def test_eval_chat_killed_after_some_judged_cases_resumes_asking_nothing_answered(tmp_path):
+    data, out = chat_data(tmp_path, n=6), tmp_path / "chat"
+    gate = Gate(rate, open_for=6 + 3)  # the six answers and three ratings; the next ratings are held
+    command = lambda server: [sys.executable, "-m", "longalign", "eval", "chat", *served(server),  # noqa: E731
+                              *judge_of(server), "--data", str(data), "--output", str(out)]  # fmt: skip
+    with OpenAIStub(gate, key=KEY) as server:
+        process = subprocess.Popen(
+            command(server), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+        )
+        try:
+            deadline = time.monotonic() + 300
+            while finished_lines(work_path(out)) < 9:  # every answer is in the work file before the kill
+                assert process.poll() is None, process.communicate()[1].decode()[-2000:]
+                assert time.monotonic() < deadline, "the run never stored nine answers"
+                time.sleep(0.05)
+        finally:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            gate.release.set()
+        in_flight = list(gate.held)
+    assert process.returncode == -signal.SIGKILL and not out.exists()
+    assert in_flight  # ratings were asked and held when the run was killed
+    with OpenAIStub(rate, key=KEY) as server:
+        result = run_process(command(server), timeout=300, cwd=ROOT)
+        again = server.requests
+    assert result.returncode == 0, result.stderr[-2000:]
+    canonical = lambda body: json.dumps(body, sort_keys=True)  # noqa: E731
+    assert len(again) == 3  # the three ratings not answered before the kill
+    assert not {canonical(b) for b in gate.answered} & {canonical(b) for b in again}
+    assert {canonical(b) for b in in_flight} <= {canonical(b) for b in again}  # asked again: never answered
+    assert [r["rating"] for r in read_results(out)] == [2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
+    assert not work_path(out).exists()
