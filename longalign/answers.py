@@ -386,44 +386,40 @@ class StoredCalls:
             raise Stopped
         body = self.client.request(messages, **sampling)
         key = request_key(body)
+        if self.options.mode == ONLINE:
+            return self._answer(key, body)
         kept = self._kept(key)
-        if kept is not None:
-            return kept
-        if self.options.mode != ONLINE:
+        if kept is None:
             with self._lock:
                 self._pending[key] = body
             raise Pending
-        result = self.client.send(body)
-        if isinstance(result, Completion):
-            self._keep(key, result)
-        return result
+        return kept
 
     def complete_many(
         self, requests: Sequence[dict[str, Any]], *, progress: str | None = None
     ) -> list[Completion | CallFailure]:
-        """``complete(**request)`` for each; online ``concurrency`` at a time, else in batch rounds. In input order."""
-        if self.options.mode == ONLINE:
-            return in_parallel(
-                lambda request: self.complete(**request),
-                requests,
-                workers=self.settings.concurrency,
-                progress=progress,
-            )
-        keys = []
+        """``complete(**request)`` for each, in input order; identical requests asked once.
+
+        Online ``concurrency`` at a time, else as batch rounds until every request has its answer (or its
+        last failure).
+        """
+        keys, bodies = [], {}
         for request in requests:
             body = self.client.request(**request)
             keys.append(request_key(body))
+            bodies.setdefault(keys[-1], body)
+        if self.options.mode == ONLINE:
+            answers = in_parallel(
+                lambda item: self._answer(*item),
+                list(bodies.items()),
+                workers=self.settings.concurrency,
+                progress=progress,
+            )
+            found = dict(zip(bodies, answers, strict=True))
+            return [found[key] for key in keys]
+        while waiting := {k: b for k, b in bodies.items() if self._kept(k, count=False) is None}:
             with self._lock:
-                self._pending[keys[-1]] = body
-        while True:
-            with self._lock:
-                waiting = dict(self._pending)
-            answered = {k for k in waiting if self._kept(k, count=False) is not None}
-            with self._lock:
-                for key in answered:
-                    self._pending.pop(key, None)
-                if not self._pending:
-                    break
+                self._pending.update(waiting)
             self.answer_pending(progress=progress)
         return [self._kept(key) for key in keys]
 
@@ -484,6 +480,16 @@ class StoredCalls:
             tries = "once" if len(failures) == 1 else f"{len(failures)} times"
             return CallFailure(f"{failures[-1].error} (tried {tries} in batches)", failures[-1].status)
         return None
+
+    def _answer(self, key: str, body: dict[str, Any]) -> Completion | CallFailure:
+        """Online: the kept answer of ``key``, or ``body`` asked and its answer kept."""
+        kept = self._kept(key)
+        if kept is not None:
+            return kept
+        result = self.client.send(body)
+        if isinstance(result, Completion):
+            self._keep(key, result)
+        return result
 
     def _keep(self, key: str, completion: Completion) -> None:
         self.store.put(key, self.settings.model, completion)
