@@ -49,7 +49,15 @@ from longalign.arguments import seconds
 from longalign.batches import batch_input, batch_results, read_results, wait_for
 from longalign.errors import ConfigError, InputError, PathError
 from longalign.redact import redact_text
-from longalign.serving import CallFailure, ChatClient, Completion, ServerError, in_parallel
+from longalign.serving import (
+    CallFailure,
+    CallStats,
+    ChatClient,
+    Completion,
+    ServerError,
+    ServerSettings,
+    in_parallel,
+)
 
 CALLS_NAME = "calls.jsonl"
 ONLINE, BATCH, FILE = "online", "batch", "file"
@@ -155,9 +163,16 @@ class AnswerStore:
             self._files += 1
 
     def write(self, directory: str | os.PathLike) -> Path:
-        """``directory/calls.jsonl``: every answer, one line each, sorted by key (the same answers, the same file)."""
+        """``directory/calls.jsonl``: every answer, one line each, sorted by key (the same answers, the same file).
+
+        The work file is read again first: other processes writing into the same output (the ranks of
+        ``accelerate launch``) append their answers to it too.
+        """
         path = Path(directory) / CALLS_NAME
         with self._lock:
+            for line in self._read(self.work_path):
+                if "key" in line:
+                    self._load(line)
             items = sorted(self._answers.items())
         with open(path, "w", encoding="utf-8") as f:
             for key, (model, completion) in items:
@@ -342,7 +357,8 @@ class _Reused:
 class StoredCalls:
     """``ChatClient.complete`` / ``complete_many`` through an ``AnswerStore``: only unanswered requests are asked.
 
-    Thread-safe. ``reused`` counts the distinct answers taken from earlier runs and the tokens they saved.
+    Thread-safe. ``report()`` counts the distinct answers taken from earlier runs and the tokens they saved;
+    ``sleep`` waits between two looks at a submitted batch.
     """
 
     def __init__(
@@ -365,12 +381,12 @@ class StoredCalls:
         self._stopped = threading.Event()
 
     @property
-    def settings(self):
+    def settings(self) -> ServerSettings:
         """The served model's ``ServerSettings``."""
         return self.client.settings
 
     @property
-    def stats(self):
+    def stats(self) -> CallStats:
         """The client's ``CallStats``: the requests sent one at a time in this run."""
         return self.client.stats
 

@@ -6,18 +6,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import signal
 import socket
-import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TOKENIZER, run_process, train_demo
+from conftest import ROOT, TOKENIZER, killed_once, run_process, train_demo
 from openai_stub import Gate, OpenAIStub, finished_lines
 
 from longalign.answers import BATCH, AnswerOptions, AnswerStore, work_path
@@ -656,28 +653,14 @@ def test_a_killed_run_restarted_pays_for_nothing_twice_and_writes_the_same_file(
     out = tmp_path / "gen"
     gate = Gate(scripted, open_for=5)
     with OpenAIStub(gate, key=KEY) as server:
-        cmd = [
-            sys.executable,
-            "-m",
-            "longalign",
-            *cli_args(docs, out, server.base_url, "--per-doc", "2", "--concurrency", "2"),
-        ]
-        process = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+        cmd = [sys.executable, "-m", "longalign",
+               *cli_args(docs, out, server.base_url, "--per-doc", "2", "--concurrency", "2")]  # fmt: skip
+        # every answered call is in the work file before the kill
+        returncode = killed_once(
+            cmd, ready=lambda: finished_lines(work_path(out)) >= 5, what="kept 5 answers", cwd=ROOT
         )
-        try:
-            deadline = time.monotonic() + 300
-            while (
-                finished_lines(work_path(out)) < 5
-            ):  # every answered call is in the work file before the kill
-                assert process.poll() is None, process.communicate()[1].decode()[-2000:]
-                assert time.monotonic() < deadline, "the run never cached five calls"
-                time.sleep(0.05)
-        finally:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
-            gate.release.set()
-    assert process.returncode == -signal.SIGKILL
+        gate.release.set()
+    assert returncode == -signal.SIGKILL
     assert not out.exists()
     assert len(AnswerStore(out)) == 5
     with OpenAIStub(scripted, key=KEY) as server:
@@ -692,11 +675,7 @@ def test_a_killed_run_restarted_pays_for_nothing_twice_and_writes_the_same_file(
     assert len(again) == total - 5
     assert not {canonical(b) for b in gate.answered} & {canonical(b) for b in again}
     assert (out / "data.jsonl").read_bytes() == (tmp_path / "whole" / "data.jsonl").read_bytes()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "docs",
-        "gen",
-        "whole",
-    ]  # no work file, no staging left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs", "gen", "whole"]  # no work file, no staging
 
 
 @pytest.mark.integration
@@ -710,21 +689,8 @@ def test_a_run_killed_after_submitting_a_batch_polls_that_batch_again_on_restart
     with OpenAIStub(scripted, key=KEY, hold_batches=held) as server:
         cmd = [sys.executable, "-m", "longalign",
                *cli_args(docs, out, server.base_url, "--per-doc", "2", "--batch", "--batch-poll", "0.05")]  # fmt: skip
-        process = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
-        )
-        try:
-            deadline = time.monotonic() + 300
-            while b'"batch": "batch_stub_1"' not in (
-                work_path(out).read_bytes() if work_path(out).exists() else b""
-            ):
-                assert process.poll() is None, process.communicate()[1].decode()[-2000:]
-                assert time.monotonic() < deadline, "the run never stored its batch id"
-                time.sleep(0.05)
-        finally:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
-        assert process.returncode == -signal.SIGKILL
+        stored = lambda: work_path(out).exists() and b'"batch": "batch_stub_1"' in work_path(out).read_bytes()  # noqa: E731
+        assert killed_once(cmd, ready=stored, what="stored its batch id", cwd=ROOT) == -signal.SIGKILL
         assert server.batches == ["batch_stub_1"] and server.batch_requests == []
         held.set()
         result = run_process(cmd, timeout=300, cwd=ROOT)
@@ -732,12 +698,8 @@ def test_a_run_killed_after_submitting_a_batch_polls_that_batch_again_on_restart
     assert result.returncode == 0, result.stderr[-2000:]
     assert batches == ["batch_stub_1", "batch_stub_2"]  # the instructions' batch read, not submitted again
     assert len(lines_run) == len({canonical(b) for b in lines_run}) == 8
-    report = json.loads((out / "report.json").read_text())
-    assert (report["batch"]["picked_up"], report["batch"]["submitted"], report["batch"]["answered"]) == (
-        1,
-        1,
-        8,
-    )
+    batch = json.loads((out / "report.json").read_text())["batch"]
+    assert (batch["picked_up"], batch["submitted"], batch["answered"]) == (1, 1, 8)
     assert (out / "data.jsonl").read_bytes() == (tmp_path / "online" / "data.jsonl").read_bytes()
 
 

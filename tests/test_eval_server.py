@@ -4,17 +4,14 @@ scores, the answer store (reruns, a changed judge, a kill), batches, no tokenize
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TOKENIZER, run_process, tiny_model
+from conftest import ROOT, TOKENIZER, killed_once, run_process, tiny_model
 from openai_stub import Gate, OpenAIStub, finished_lines
 from transformers import AutoTokenizer
 
@@ -410,21 +407,12 @@ def test_eval_chat_killed_after_some_judged_cases_resumes_asking_nothing_answere
     command = lambda server: [sys.executable, "-m", "longalign", "eval", "chat", *served(server),  # noqa: E731
                               *judge_of(server), "--data", str(data), "--output", str(out)]  # fmt: skip
     with OpenAIStub(gate, key=KEY) as server:
-        process = subprocess.Popen(
-            command(server), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
-        )
-        try:
-            deadline = time.monotonic() + 300
-            while finished_lines(work_path(out)) < 9:  # every answer is in the work file before the kill
-                assert process.poll() is None, process.communicate()[1].decode()[-2000:]
-                assert time.monotonic() < deadline, "the run never stored nine answers"
-                time.sleep(0.05)
-        finally:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
-            gate.release.set()
+        # every answer is in the work file before the kill
+        ready = lambda: finished_lines(work_path(out)) >= 9  # noqa: E731
+        returncode = killed_once(command(server), ready=ready, what="kept nine answers", cwd=ROOT)
+        gate.release.set()
         in_flight = list(gate.held)
-    assert process.returncode == -signal.SIGKILL and not out.exists()
+    assert returncode == -signal.SIGKILL and not out.exists()
     assert in_flight  # ratings were asked and held when the run was killed
     with OpenAIStub(rate, key=KEY) as server:
         result = run_process(command(server), timeout=300, cwd=ROOT)
