@@ -3,7 +3,7 @@
     longalign eval needle --model out/run --lengths 1000,2000,4000 --output out/eval/needle
     longalign eval needle --model out/run --lengths 1000,2000,4000 --score logprob --output out/eval/needle-lp
     longalign eval chat --model out/run --data longbench_chat.jsonl --judge-base-url URL --judge-model M --output DIR
-    longalign eval write --backend openai --base-url URL --served-model M --tokenizer out/run --data w.jsonl ...
+    longalign eval write --backend openai --base-url URL --served-model M --data w.jsonl ...   # no tokenizer needed
     accelerate launch -m longalign eval needle --model out/run ...      # prompts shared out; rank 0 writes
 
 Every task writes ``results.jsonl``, ``summary.json`` and ``run_config.json`` (every setting; the API
