@@ -7,8 +7,8 @@ functions: one .txt file per module, one paragraph per docstring), written to a 
 server is tests/openai_stub.py on 127.0.0.1 with a bearer key; each reply waits ``--latency`` seconds (a
 stand-in for the model's time) and is a deterministic function of the request.
 
-Rows: concurrency 1, 4 and 8 from an empty cache, and a rerun of the same arguments whose calls are all
-answered from the cache but the last (a run stopped before its last call, then restarted). Every row writes the same
+Rows: concurrency 1, 4 and 8 from an empty answer store, and a rerun of the same arguments whose calls are all
+answered from the store but the last (a run stopped before its last call, then restarted). Every row writes the same
 data.jsonl (checked); the table shows the calls sent, the time per sample and the speed-up over concurrency 1.
 """
 
@@ -114,12 +114,12 @@ def main() -> None:
         f"documents: {documents['read']} read, {documents['used']} used ({documents['cut']} cut), "
         f"skipped {documents['skipped']}; samples {first['samples']['made']}; stub latency {args.latency} s\n"
     )
-    print(f"{'run':<22}{'calls sent':>11}{'from cache':>11}{'wall s':>9}{'s/sample':>10}{'vs c=1':>8}")
+    print(f"{'run':<22}{'calls sent':>11}{'reused':>11}{'wall s':>9}{'s/sample':>10}{'vs c=1':>8}")
     base = rows[0][1]["wall_seconds"]
     for name, report in rows:
         calls = report["calls"]
         print(
-            f"{name:<22}{calls['made']:>11}{calls['from_cache']:>11}{report['wall_seconds']:>9.2f}"
+            f"{name:<22}{calls['made']:>11}{calls['reused']:>11}{report['wall_seconds']:>9.2f}"
             f"{report['seconds_per_sample']:>10.4f}{base / report['wall_seconds']:>7.1f}x"
         )
     if args.report:

@@ -7,20 +7,27 @@
     client.complete_many([{"messages": [...]}, {"messages": [...]}], progress="judging")
         -> [Completion(...), CallFailure(error='500 from the server: ...', status=500)]   # in input order
     client.stats
-        -> CallStats(calls=3, succeeded=2, failed=1, retried=5, prompt_tokens=..., completion_tokens=...)
+        -> CallStats(calls=3, succeeded=2, failed=1, retried=5, rate_limited=4, ..., lowest_concurrency=2)
 
 What can go wrong, and where it shows:
 
-- a 429 or 5xx answer, a refused connection or a timeout: the request is tried again, up to ``max_retries``
-  times, after 1, 2, 4, ... seconds (at most ``BACKOFF_CAP``), or after the seconds the server's
-  ``Retry-After`` asks for;
-- a 429, 5xx or timeout that lasts past the retries: that request's result is a ``CallFailure``, counted in
+- a 429 (rate limit): the request waits the seconds the server's ``Retry-After`` asks for, else 1, 2, 4, ...
+  seconds (at most ``BACKOFF_CAP``), and is sent again; this is not one of its ``max_retries``. While the
+  server rate-limits, fewer requests are in flight: the window halves on each 429 (not below 1) and grows by
+  one after as many successes in a row as it holds, never above ``concurrency``. A request still refused
+  ``max_wait`` seconds after its first 429 is a ``CallFailure``;
+- a 5xx answer, a refused connection or a timeout: the request is tried again, up to ``max_retries`` times,
+  after 1, 2, 4, ... seconds (or the server's ``Retry-After``);
+- a 5xx or timeout that lasts past the retries: that request's result is a ``CallFailure``, counted in
   ``stats.failed``; the other requests go on;
 - a 400 answer (one request the server rejects, e.g. a prompt longer than the served model's context):
   that request's result is a ``CallFailure`` at once, without retries; the other requests go on;
 - no connection after the retries, or any other 4xx answer (a refused key, no such model or URL):
   ``ServerError``, one line naming the URL. Those are the settings' fault, not one request's, so the run
   stops there.
+
+The batch endpoints (``/v1/files``, ``/v1/batches``) go through the same key, retries and errors:
+``upload_batch``, ``submit_batch``, ``batch_status``, ``file_text``.
 
 The API key is read from the environment variable the settings name. It is never kept in the settings, and
 never put in an error message, a ``repr`` or a record.
@@ -32,14 +39,16 @@ import argparse
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 from tqdm import tqdm
 
-from longalign.arguments import at_least
+from longalign.arguments import at_least, seconds
 from longalign.errors import ConfigError, LongAlignError
 from longalign.redact import redact_text
 
@@ -47,6 +56,8 @@ BACKOFF_BASE = 1.0  # seconds before the first retry; each next retry waits twic
 BACKOFF_CAP = 30.0  # the longest wait of our own; a server's Retry-After is honoured as it is
 NO_KEY = "EMPTY"  # sent when the key's variable is unset: a local server without a key accepts any
 DETAIL_CHARS = 300  # how much of a server's error message goes into ours
+CHAT_ENDPOINT = "/v1/chat/completions"  # what a batch's lines ask for
+Item = TypeVar("Item")
 
 
 class ServerError(LongAlignError):
@@ -58,40 +69,51 @@ class ServerSettings:
     """Where a served model is and how to call it: the name of the key's environment variable, never the key.
 
     ServerSettings(base_url="http://127.0.0.1:8000/v1", model="Qwen2.5-7B-Instruct").record()
-    -> {'base_url': 'http://127.0.0.1:8000/v1', 'model': 'Qwen2.5-7B-Instruct',
-        'api_key_env': 'OPENAI_API_KEY', 'concurrency': 4, 'max_retries': 5, 'timeout': 600.0}
+    -> {'base_url': 'http://127.0.0.1:8000/v1', 'model': 'Qwen2.5-7B-Instruct', 'api_key_env': 'OPENAI_API_KEY',
+        'concurrency': 4, 'max_retries': 5, 'max_wait': 3600.0, 'timeout': 600.0}
+
+    ``base_url`` None names a model and no server: batch input files can be written for it (``vllm
+    run-batch``), nothing can be asked.
     """
 
-    base_url: str  # the API root, e.g. http://127.0.0.1:8000/v1
+    base_url: str | None  # the API root, e.g. http://127.0.0.1:8000/v1
     model: str  # the served model's name, as GET /v1/models lists it
     api_key_env: str = "OPENAI_API_KEY"  # the key is read from this environment variable, never stored
-    concurrency: int = 4  # requests in flight at once in complete_many
-    max_retries: int = 5  # tries again after a 429, a 5xx, a refused connection or a timeout
+    concurrency: int = 4  # requests in flight at once, at most (fewer while the server rate-limits)
+    max_retries: int = 5  # tries again after a 5xx, a refused connection or a timeout (429s wait instead)
+    max_wait: float = 3600.0  # seconds a request may stay rate-limited (429) before it fails
     timeout: float = 600.0  # seconds one try may take
 
     def __post_init__(self) -> None:
-        if not self.base_url.startswith(("http://", "https://")):
+        if self.base_url is not None and not self.base_url.startswith(("http://", "https://")):
             raise ConfigError(
                 f"base URL {redact_text(self.base_url)!r}: expected http:// or https://, "
                 "e.g. http://127.0.0.1:8000/v1"
             )
         if not self.model:
-            raise ConfigError(f"{redact_text(self.base_url)}: no model named; give the served model's name")
+            raise ConfigError(f"{self._where}: no model named; give the served model's name")
         if self.concurrency < 1:
             raise ConfigError(f"concurrency: expected an integer >= 1, got {self.concurrency}")
         if self.max_retries < 0:
             raise ConfigError(f"max_retries: expected an integer >= 0, got {self.max_retries}")
+        if self.max_wait <= 0:
+            raise ConfigError(f"max_wait: expected seconds > 0, got {self.max_wait}")
         if self.timeout <= 0:
             raise ConfigError(f"timeout: expected seconds > 0, got {self.timeout}")
+
+    @property
+    def _where(self) -> str:
+        return redact_text(self.base_url) if self.base_url else "no server"
 
     def record(self) -> dict[str, Any]:
         """The settings for ``run_config.json`` / ``report.json``: the key's variable named, no key, no URL password."""
         return {
-            "base_url": redact_text(self.base_url),
+            "base_url": redact_text(self.base_url) if self.base_url else None,
             "model": self.model,
             "api_key_env": self.api_key_env,
             "concurrency": self.concurrency,
             "max_retries": self.max_retries,
+            "max_wait": self.max_wait,
             "timeout": self.timeout,
         }
 
@@ -108,7 +130,7 @@ class Completion:
 
 @dataclass(frozen=True)
 class CallFailure:
-    """A request whose last try, after all retries, got a 429, a 5xx or no answer in time."""
+    """A request that got no answer: a 400, a 5xx or timeout past the retries, a 429 past ``max_wait``."""
 
     error: str  # one line, e.g. "500 from the server: Internal Server Error (tried 6 times)"
     status: int | None  # the last HTTP status; None for a timeout
@@ -121,9 +143,138 @@ class CallStats:
     calls: int = 0  # requests asked for: each complete(), each item of complete_many
     succeeded: int = 0  # answered with a Completion
     failed: int = 0  # answered with a CallFailure
-    retried: int = 0  # tries repeated, over all requests
+    retried: int = 0  # tries repeated after a 5xx, a lost connection or a timeout, over all requests
+    rate_limited: int = 0  # 429 answers, each waited out and sent again
+    rate_limit_wait_seconds: float = 0.0  # the waits after those 429s, summed over all requests
     prompt_tokens: int = 0  # summed over the succeeded requests, as the server reported them
     completion_tokens: int = 0
+    lowest_concurrency: int | None = None  # the smallest window of requests in flight (None: nothing asked)
+
+
+@dataclass(frozen=True)
+class BatchStatus:
+    """Where a submitted batch stands (``GET /v1/batches/{id}``)."""
+
+    status: str  # validating, in_progress, finalizing, completed, failed, expired, cancelling, cancelled
+    total: int  # requests in the batch, as the server counts them (0 until it has read the file)
+    completed: int
+    failed: int
+    output_file_id: str | None  # the answered lines, once there are any
+    error_file_id: str | None  # the failed lines
+    errors: str  # why a batch failed as a whole (its input file refused), on one line; "" otherwise
+
+    @property
+    def done(self) -> bool:
+        """No more lines will be answered: ``completed``, ``failed``, ``expired`` or ``cancelled``."""
+        return self.status in ("completed", "failed", "expired", "cancelled")
+
+
+def chat_request(
+    model: str,
+    messages: Sequence[dict[str, Any]],
+    *,
+    max_tokens: int | None = None,
+    temperature: float = 0.0,
+    **extra: Any,
+) -> dict[str, Any]:
+    """The body of one chat-completion request, as it is sent and as its answer is kept.
+
+    chat_request("m", [{"role": "user", "content": "Hi"}], max_tokens=8, seed=3)
+    -> {'model': 'm', 'messages': [{'role': 'user', 'content': 'Hi'}], 'temperature': 0.0, 'seed': 3, 'max_tokens': 8}
+    """
+    body = {"model": model, "messages": list(messages), "temperature": temperature, **extra}
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    return body
+
+
+def completion_from_json(payload: dict[str, Any]) -> Completion:
+    """The ``Completion`` in a chat-completion response body (online, or one line of a batch's results).
+
+    completion_from_json({"choices": [{"message": {"content": "4"}, "finish_reason": "stop"}],
+                          "usage": {"prompt_tokens": 14, "completion_tokens": 1}})
+    -> Completion(text='4', finish_reason='stop', prompt_tokens=14, completion_tokens=1)
+    """
+    choice = payload["choices"][0]
+    usage = payload.get("usage") or {}
+    return Completion(
+        text=(choice.get("message") or {}).get("content") or "",
+        finish_reason=choice.get("finish_reason"),
+        prompt_tokens=usage.get("prompt_tokens"),
+        completion_tokens=usage.get("completion_tokens"),
+    )
+
+
+class _Window:
+    """How many requests may be in flight: additive increase, multiplicative decrease.
+
+    Starts at ``ceiling``; a 429 halves it (not below 1); as many successes in a row as the window holds
+    raise it by one, never above ``ceiling``. ``slot()`` waits until fewer than the window are in flight.
+    """
+
+    def __init__(self, ceiling: int) -> None:
+        self.ceiling = self.size = self.lowest = ceiling
+        self._in_flight = 0
+        self._successes = 0
+        self._changed = threading.Condition()
+
+    @contextmanager
+    def slot(self) -> Iterator[None]:
+        with self._changed:
+            self._changed.wait_for(lambda: self._in_flight < self.size)
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._in_flight -= 1
+                self._changed.notify_all()
+
+    def rate_limited(self) -> None:
+        with self._changed:
+            self.size = max(1, self.size // 2)
+            self.lowest = min(self.lowest, self.size)
+            self._successes = 0
+
+    def succeeded(self) -> None:
+        with self._changed:
+            self._successes += 1
+            if self._successes >= self.size and self.size < self.ceiling:
+                self.size += 1
+                self._successes = 0
+                self._changed.notify_all()
+
+
+def in_parallel(
+    work: Callable[[Item], Any],
+    items: Sequence[Item],
+    *,
+    workers: int,
+    progress: str | None = None,
+    unit: str = "it",
+    on_error: Callable[[], None] | None = None,
+) -> list[Any]:
+    """``work(item)`` for each item, ``workers`` at a time; the results in the items' order.
+
+    An exception in one item stops the rest (items not yet started are dropped, ``on_error`` is called so
+    that running ones can stop early) and is raised. ``progress`` titles a progress bar on stderr.
+    """
+    results: list[Any] = [None] * len(items)
+    with (
+        ThreadPoolExecutor(max_workers=workers) as pool,
+        tqdm(total=len(items), desc=progress, unit=unit, disable=progress is None) as bar,
+    ):
+        futures = {pool.submit(work, item): i for i, item in enumerate(items)}
+        try:
+            for future in as_completed(futures):
+                results[futures[future]] = future.result()
+                bar.update()
+        except BaseException:
+            if on_error is not None:
+                on_error()
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+    return results
 
 
 class ChatClient:
@@ -133,10 +284,17 @@ class ChatClient:
         client.complete([{"role": "user", "content": "Say hi"}], max_tokens=4, seed=0)
         -> Completion(text='Hi!', finish_reason='stop', prompt_tokens=11, completion_tokens=2)
 
-    ``sleep`` waits between tries; tests pass a function that records the waits instead.
+    ``sleep`` waits between tries and ``clock`` tells the time (for ``max_wait``); tests pass a fake clock
+    whose ``sleep`` moves it on instead of waiting.
     """
 
-    def __init__(self, settings: ServerSettings, *, sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(
+        self,
+        settings: ServerSettings,
+        *,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         try:
             import openai
         except ImportError:
@@ -146,14 +304,18 @@ class ChatClient:
         self.settings = settings
         self._openai = openai
         self._key = os.environ.get(settings.api_key_env) or None
-        self._client = openai.OpenAI(
-            base_url=settings.base_url,
-            api_key=self._key or NO_KEY,
-            max_retries=0,  # retried here, so that retries are counted and waits can be observed
-            timeout=settings.timeout,
-        )
+        self._client = None
+        if settings.base_url is not None:
+            self._client = openai.OpenAI(
+                base_url=settings.base_url,
+                api_key=self._key or NO_KEY,
+                max_retries=0,  # retried here, so that retries are counted and waits can be observed
+                timeout=settings.timeout,
+            )
         self._sleep = sleep
+        self._clock = clock
         self._lock = threading.Lock()
+        self._window = _Window(settings.concurrency)
         self._stats = CallStats()
 
     def __repr__(self) -> str:
@@ -165,6 +327,10 @@ class ChatClient:
         with self._lock:
             return self._stats
 
+    def request(self, messages: Sequence[dict[str, Any]], **sampling: Any) -> dict[str, Any]:
+        """The body ``complete(messages, **sampling)`` sends: ``chat_request`` with this client's model."""
+        return chat_request(self.settings.model, messages, **sampling)
+
     def complete(
         self,
         messages: Sequence[dict[str, Any]],
@@ -173,24 +339,25 @@ class ChatClient:
         temperature: float = 0.0,
         **extra: Any,
     ) -> Completion | CallFailure:
-        """One chat completion: a ``Completion``, or a ``CallFailure`` for a 400 or when 429/5xx/timeouts outlast the retries.
+        """One chat completion: a ``Completion``, or a ``CallFailure`` (a 400, lasting 5xx/timeouts, a 429 past ``max_wait``).
 
         ``extra`` goes to ``openai``'s ``chat.completions.create`` as it is: ``stop=["\\n"]``, ``seed=0``,
         ``extra_body={"top_k": 20}`` for a server's own parameters. Raises ``ServerError`` when the
         server cannot be reached or answers another 4xx (not 400, not 429).
         """
+        return self.send(self.request(messages, max_tokens=max_tokens, temperature=temperature, **extra))
+
+    def send(self, body: dict[str, Any]) -> Completion | CallFailure:
+        """``complete`` for a body made by ``request``: tried, waited out and counted as the module says."""
+        client = self._connected()
         self._count(calls=1)
-        request = {
-            "model": self.settings.model,
-            "messages": list(messages),
-            "temperature": temperature,
-            **extra,
-        }
-        if max_tokens is not None:
-            request["max_tokens"] = max_tokens
-        for attempt in range(self.settings.max_retries + 1):
+        attempt = 0  # failed tries that count toward max_retries
+        refused_since = None  # when the first 429 came
+        refusals = 0
+        while True:
             try:
-                response = self._client.chat.completions.create(**request)
+                with self._window.slot():
+                    response = client.chat.completions.create(**body)
             except self._openai.APIStatusError as err:
                 if err.status_code == 400:  # this request's fault: asking again gets the same answer
                     self._count(failed=1)
@@ -201,6 +368,23 @@ class ChatClient:
                     f"{err.status_code} from the server: {self._detail(err)}", err.status_code
                 )
                 wait = _retry_after(err.response.headers.get("retry-after"))
+                if err.status_code == 429:
+                    self._window.rate_limited()
+                    self._count(rate_limited=1)
+                    refused_since = self._clock() if refused_since is None else refused_since
+                    wait = _backoff(refusals) if wait is None else wait
+                    refusals += 1
+                    held = self._clock() - refused_since + wait
+                    if held > self.settings.max_wait:
+                        self._count(failed=1)
+                        return replace(
+                            failure,
+                            error=f"{failure.error} (rate-limited for {held:.0f} s, longer than the "
+                            f"{self.settings.max_wait:g} s max wait)",
+                        )
+                    self._count(rate_limit_wait_seconds=wait)
+                    self._sleep(wait)
+                    continue
                 if wait is None:
                     wait = _backoff(attempt)
             except self._openai.APITimeoutError:
@@ -211,16 +395,18 @@ class ChatClient:
                 unreachable = self._one_line(str(err.__cause__ or err))
                 wait = _backoff(attempt)
             else:
+                self._window.succeeded()
                 return self._completion(response)
-            if attempt < self.settings.max_retries:
-                self._count(retried=1)
-                self._sleep(wait)
+            if attempt == self.settings.max_retries:
+                break
+            attempt += 1
+            self._count(retried=1)
+            self._sleep(wait)
+        tries = self.settings.max_retries + 1
         if failure is None:
-            raise ServerError(
-                f"{self._url}: cannot reach the server ({unreachable}; tried {self.settings.max_retries + 1} times)"
-            )
+            raise ServerError(f"{self._url}: cannot reach the server ({unreachable}; tried {tries} times)")
         self._count(failed=1)
-        return replace(failure, error=f"{failure.error} (tried {self.settings.max_retries + 1} times)")
+        return replace(failure, error=f"{failure.error} (tried {tries} times)")
 
     def complete_many(
         self, requests: Sequence[dict[str, Any]], *, progress: str | None = None
@@ -233,40 +419,96 @@ class ChatClient:
         A ``ServerError`` from any request stops the rest (requests not yet sent are dropped) and is raised.
         ``progress`` titles a progress bar on stderr; without it nothing is shown.
         """
-        results: list[Completion | CallFailure | None] = [None] * len(requests)
-        with (
-            ThreadPoolExecutor(max_workers=self.settings.concurrency) as pool,
-            tqdm(total=len(requests), desc=progress, disable=progress is None) as bar,
-        ):
-            futures = {pool.submit(self.complete, **request): i for i, request in enumerate(requests)}
-            try:
-                for future in as_completed(futures):
-                    results[futures[future]] = future.result()
-                    bar.update()
-            except BaseException:
-                pool.shutdown(wait=False, cancel_futures=True)
-                raise
-        return results
+        return in_parallel(
+            lambda request: self.complete(**request),
+            requests,
+            workers=self.settings.concurrency,
+            progress=progress,
+        )
+
+    def upload_batch(self, path: Path) -> str:
+        """Upload a batch input file (``POST /v1/files``, purpose ``batch``); its file id."""
+        client = self._connected()
+        with open(path, "rb") as f:
+            return self._api(
+                "POST /v1/files", lambda: client.files.create(file=(path.name, f), purpose="batch")
+            ).id
+
+    def submit_batch(self, file_id: str) -> str:
+        """Start a batch of chat completions over an uploaded input file (``POST /v1/batches``); its id."""
+        client = self._connected()
+        batch = self._api(
+            "POST /v1/batches",
+            lambda: client.batches.create(
+                input_file_id=file_id, endpoint=CHAT_ENDPOINT, completion_window="24h"
+            ),
+        )
+        return batch.id
+
+    def batch_status(self, batch_id: str) -> BatchStatus:
+        """``GET /v1/batches/{id}``: its status and counts."""
+        client = self._connected()
+        batch = self._api(f"GET /v1/batches/{batch_id}", lambda: client.batches.retrieve(batch_id))
+        counts = batch.request_counts
+        errors = batch.errors.data if batch.errors and batch.errors.data else []
+        return BatchStatus(
+            status=batch.status,
+            total=counts.total if counts else 0,
+            completed=counts.completed if counts else 0,
+            failed=counts.failed if counts else 0,
+            output_file_id=batch.output_file_id,
+            error_file_id=batch.error_file_id,
+            errors=self._one_line("; ".join(f"{e.code}: {e.message}" for e in errors))[:DETAIL_CHARS],
+        )
+
+    def file_text(self, file_id: str) -> str:
+        """The content of a file on the server (``GET /v1/files/{id}/content``), e.g. a batch's results."""
+        client = self._connected()
+        return self._api(f"GET /v1/files/{file_id}/content", lambda: client.files.content(file_id)).text
 
     @property
     def _url(self) -> str:
-        return redact_text(self.settings.base_url)
+        return redact_text(self.settings.base_url or "")
 
-    def _count(self, **increments: int) -> None:
+    def _connected(self):
+        if self._client is None:
+            raise ConfigError(
+                f"no server for model {self.settings.model!r}: give --base-url (only batch input files "
+                "can be written without one)"
+            )
+        return self._client
+
+    def _api(self, what: str, call: Callable[[], Any]) -> Any:
+        """``call()`` for one of the batch endpoints, with the chat requests' retries and errors."""
+        for attempt in range(self.settings.max_retries + 1):
+            try:
+                return call()
+            except self._openai.APIStatusError as err:
+                if err.status_code < 500 and err.status_code != 429:
+                    if err.status_code == 404:
+                        raise ServerError(
+                            f"{self._url}: {what}: 404 from the server: no batch API there? ({self._detail(err)})"
+                        ) from None
+                    raise self._refused(err) from None
+                problem = f"{err.status_code} from the server: {self._detail(err)}"
+                wait = _retry_after(err.response.headers.get("retry-after"))
+            except (self._openai.APITimeoutError, self._openai.APIConnectionError) as err:
+                problem, wait = self._one_line(str(err.__cause__ or err)), None
+            if attempt < self.settings.max_retries:
+                self._count(retried=1)
+                self._sleep(_backoff(attempt) if wait is None else wait)
+        raise ServerError(f"{self._url}: {what}: {problem} (tried {self.settings.max_retries + 1} times)")
+
+    def _count(self, **increments: float) -> None:
         with self._lock:
             self._stats = replace(
-                self._stats, **{name: getattr(self._stats, name) + n for name, n in increments.items()}
+                self._stats,
+                **{name: getattr(self._stats, name) + n for name, n in increments.items()},
+                lowest_concurrency=self._window.lowest,
             )
 
     def _completion(self, response: Any) -> Completion:
-        choice = response.choices[0]
-        usage = response.usage
-        completion = Completion(
-            text=choice.message.content or "",
-            finish_reason=choice.finish_reason,
-            prompt_tokens=usage.prompt_tokens if usage else None,
-            completion_tokens=usage.completion_tokens if usage else None,
-        )
+        completion = completion_from_json(response.model_dump())
         self._count(
             succeeded=1,
             prompt_tokens=completion.prompt_tokens or 0,
@@ -331,8 +573,8 @@ def add_server_arguments(
         add_server_arguments(parser, prefix="judge-")  # --judge-base-url --judge-model --judge-api-key-env ...
 
     The model flag is ``--served-model`` without a prefix (``--model`` is left to the model a command
-    trains or evaluates) and ``--{prefix}model`` with one. Also ``--{prefix}concurrency`` and
-    ``--{prefix}max-retries``.
+    trains or evaluates) and ``--{prefix}model`` with one. Also ``--{prefix}concurrency``,
+    ``--{prefix}max-retries`` and ``--{prefix}max-wait``.
     """
     who = f"the {prefix.rstrip('-')} server" if prefix else "the server"
     group = parser.add_argument_group(f"{who} (OpenAI-compatible)")
@@ -354,31 +596,44 @@ def add_server_arguments(
         f"--{prefix}concurrency",
         type=at_least(1),
         default=ServerSettings.concurrency,
-        help=f"requests in flight at once (default: {ServerSettings.concurrency})",
+        help=f"requests in flight at once, at most: halved on a 429, grown back by one after a run of "
+        f"successes (default: {ServerSettings.concurrency})",
     )
     group.add_argument(
         f"--{prefix}max-retries",
         type=at_least(0),
         default=ServerSettings.max_retries,
-        help="tries again after a 429, a 5xx or a lost connection, waiting 1, 2, 4, ... s or what the "
-        f"server's Retry-After asks (default: {ServerSettings.max_retries})",
+        help="tries again after a 5xx, a lost connection or a timeout, waiting 1, 2, 4, ... s or what the "
+        f"server's Retry-After asks (default: {ServerSettings.max_retries}); a 429 is waited out, not retried",
+    )
+    group.add_argument(
+        f"--{prefix}max-wait",
+        type=seconds,
+        default=ServerSettings.max_wait,
+        help="seconds a request may stay rate-limited (429, waiting what Retry-After asks) before it fails "
+        f"(default: {ServerSettings.max_wait:g})",
     )
 
 
-def server_settings(args: argparse.Namespace, *, prefix: str = "") -> ServerSettings:
+def server_settings(args: argparse.Namespace, *, prefix: str = "", url_needed: bool = True) -> ServerSettings:
     """The ``ServerSettings`` from flags added by ``add_server_arguments(parser, prefix=prefix)``.
 
         server_settings(parser.parse_args(["--judge-base-url", URL, "--judge-model", "m"]), prefix="judge-")
         -> ServerSettings(base_url=URL, model='m', api_key_env='OPENAI_API_KEY', concurrency=4, ...)
 
-    Raises ``ConfigError`` naming the flags when the URL or the model is missing (flags added with
-    ``required=False``).
+    Raises ``ConfigError`` naming the flags when the model is missing, or the URL is and ``url_needed``
+    (flags added with ``required=False``); without a URL the settings name a model and no server.
     """
     dest = prefix.replace("-", "_")
     base_url = getattr(args, f"{dest}base_url")
     model = getattr(args, _model_flag(prefix).lstrip("-").replace("-", "_"))
     missing = [
-        flag for flag, value in ((f"--{prefix}base-url", base_url), (_model_flag(prefix), model)) if not value
+        flag
+        for flag, value, needed in (
+            (f"--{prefix}base-url", base_url, url_needed),
+            (_model_flag(prefix), model, True),
+        )
+        if needed and not value
     ]
     if missing:
         raise ConfigError(
@@ -390,6 +645,7 @@ def server_settings(args: argparse.Namespace, *, prefix: str = "") -> ServerSett
         api_key_env=getattr(args, f"{dest}api_key_env"),
         concurrency=getattr(args, f"{dest}concurrency"),
         max_retries=getattr(args, f"{dest}max_retries"),
+        max_wait=getattr(args, f"{dest}max_wait"),
     )
 
 

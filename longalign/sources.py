@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from longalign.answers import CALLS_NAME
 from longalign.artifacts import MARKER_NAME, REPORT_NAME
 from longalign.errors import InputError
 
@@ -103,8 +104,10 @@ def files_of(source: Source) -> list[Path]:
     if found != "directory":
         return []
     files = sorted(p for p in local.rglob("*") if p.is_file() and p.suffix in RAW_SUFFIXES)
-    if (local / MARKER_NAME).exists():  # a stage's output (longalign data): its report.json is no chat data
-        files = [p for p in files if p != local / REPORT_NAME]
+    if (
+        local / MARKER_NAME
+    ).exists():  # a stage's output (longalign data): its report and answers are no chat data
+        files = [p for p in files if p not in (local / REPORT_NAME, local / CALLS_NAME)]
     if not files:
         raise InputError(f"{source.path}: a directory without {', '.join(RAW_SUFFIXES)} files")
     return files

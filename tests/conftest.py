@@ -14,6 +14,8 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import datasets
@@ -227,6 +229,30 @@ def run_process(cmd: list[str], *, timeout: float, **kwargs) -> subprocess.Compl
                 raise subprocess.TimeoutExpired(cmd, timeout, out, err) from None
             raise
     return subprocess.CompletedProcess(cmd, process.returncode, out, err)
+
+
+def killed_once(
+    cmd: list[str], *, ready: Callable[[], bool], what: str, timeout: float = 300, **kwargs
+) -> int:
+    """Run ``cmd`` in a session of its own until ``ready()`` holds, then ``kill -9`` the session; its return code.
+
+    ``ready`` reads a sign the command leaves (a line in a file it writes) while the test holds it mid-work;
+    the command failing first, or no sign within ``timeout`` seconds (``what`` says which), fails the test.
+    """
+    process = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, **kwargs
+    )
+    try:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            assert process.poll() is None, process.communicate()[1].decode()[-2000:]
+            assert time.monotonic() < deadline, f"the command never {what}"
+            time.sleep(0.05)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+    return process.returncode
 
 
 def launch(

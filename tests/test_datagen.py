@@ -1,27 +1,26 @@
 """``longalign data``: documents cut to a token range, self-instruct and AgentWrite samples against a local
-OpenAI-compatible stub, the call cache and resume, report counts under 500s and 429s, errors before any call."""
+OpenAI-compatible stub, the answer store (resume, reruns, growing runs, --fresh), report counts under 500s
+and rate limits, the batch modes, errors before any call."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
+import re
 import signal
 import socket
-import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TOKENIZER, run_process, train_demo
-from openai_stub import OpenAIStub
+from conftest import ROOT, TOKENIZER, killed_once, run_process, train_demo
+from openai_stub import Gate, OpenAIStub, finished_lines
 
+from longalign.answers import BATCH, AnswerOptions, AnswerStore, work_path
 from longalign.cli import main
 from longalign.datagen import agentwrite, self_instruct
 from longalign.datagen.agentwrite import Step, parse_plan
-from longalign.datagen.calls import CallCache, cache_path
 from longalign.datagen.documents import Fitted, Skipped, fit_document, read_documents
 from longalign.datagen.prompts import render
 from longalign.errors import ConfigError, InputError, PathError
@@ -90,10 +89,20 @@ def count(tokenizer, text: str) -> int:
     return len(tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids)
 
 
-def run_self_instruct(docs, out, server, tokenizer, sleeps=None, concurrency=4, **options):
+def run_self_instruct(docs, out, server, tokenizer, sleeps=None, concurrency=4, max_retries=5, **options):
     options = {"min_tokens": 200, "max_tokens": 900, "per_doc": 2, **options}
-    client = client_for(server, sleeps, concurrency=concurrency)
+    client = client_for(server, sleeps, concurrency=concurrency, max_retries=max_retries)
     return self_instruct.generate(docs, out, tokenizer=tokenizer, client=client, **options)
+
+
+def canonical(body: dict) -> str:
+    return json.dumps(body, sort_keys=True)
+
+
+def calls(made: int, **counts) -> dict:
+    """A report's ``calls`` part: ``made`` calls that all succeeded, unless ``counts`` says otherwise."""
+    return {"made": made, "succeeded": made, "failed": 0, "retried": 0, "rate_limited": 0,
+            "rate_limit_wait_seconds": 0.0, "lowest_concurrency": 4, "reused": 0, **counts}  # fmt: skip
 
 
 def lines(path: Path) -> list[dict]:
@@ -164,7 +173,7 @@ def test_self_instruct_samples_and_report(tmp_path, docs, sample_tokenizer):
     assert len(samples) == 4  # 2 documents in range x 2 per document; c.txt is too short
     assert report["documents"] == {"read": 3, "used": 2, "cut": 1, "skipped": {"too_short": 1}}
     assert report["samples"] == {"planned": 4, "made": 4, "dropped": {}}
-    assert report["calls"] == {"made": 16, "succeeded": 16, "failed": 0, "retried": 0, "from_cache": 0}
+    assert report["calls"] == calls(16)
     assert report["tokens"]["prompt"] == sum(
         len(m["content"].split()) for body in bodies for m in body["messages"]
     )  # the stub counts words
@@ -182,7 +191,8 @@ def test_self_instruct_samples_and_report(tmp_path, docs, sample_tokenizer):
         assert sample["messages"][2]["content"].startswith("And how does that")
     assert [s["meta"]["sample"] for s in samples] == [0, 1, 0, 1]  # in document order
     assert sum(report["samples_by_task"].values()) == 4
-    assert not cache_path(out).exists()
+    assert not work_path(out).exists()
+    assert len(lines(out / "calls.jsonl")) == 16  # every answer, kept with the output
     # The answer call of turn 2 sends the whole conversation the sample keeps
     assert samples[0]["messages"][:3] in [body["messages"] for body in bodies]
 
@@ -202,31 +212,57 @@ def test_500_every_third_call_ends_with_every_sample_and_the_counts(tmp_path, do
     # 8 requests + r retries = T calls, of which calls 3, 6, 9 failed: T = 11, r = 3, in any order
     assert received == 11
     assert report["samples"]["made"] == 4
-    assert report["calls"] == {"made": 8, "succeeded": 8, "failed": 0, "retried": 3, "from_cache": 0}
+    assert report["calls"] == calls(8, retried=3)
     assert len(sleeps) == 3
 
 
-def test_429_first_ends_with_every_sample_and_the_counts(tmp_path, docs, sample_tokenizer):
-    with OpenAIStub(scripted, key=KEY, fail_first_with_429=3) as server:
-        report = run_self_instruct(docs, tmp_path / "gen", server, sample_tokenizer, concurrency=1)
+def test_every_sample_made_under_a_server_that_rate_limits_every_other_request(
+    tmp_path, docs, sample_tokenizer, capsys
+):
+    with OpenAIStub(scripted, key=KEY) as server:
+        run_self_instruct(docs, tmp_path / "whole", server, sample_tokenizer)
+    out = tmp_path / "gen"
+    argv = cli_args(docs, out, "URL", "--per-doc", "2", "--max-retries", "0")
+    with OpenAIStub(scripted, key=KEY, rate_limit_every=2) as server:
+        argv[argv.index("URL")] = server.base_url
+        assert main(argv) == 0
         received = server.calls
-    assert received == 11
-    assert report["samples"]["made"] == 4
-    assert report["calls"] == {"made": 8, "succeeded": 8, "failed": 0, "retried": 3, "from_cache": 0}
+    report = json.loads((out / "report.json").read_text())
+    assert report["samples"] == {"planned": 4, "made": 4, "dropped": {}}
+    # arrivals 2, 4, ... were refused and the last answered: 8 answers + 7 refusals, none a retry
+    assert received == 15
+    assert report["calls"] | {"lowest_concurrency": None} == calls(8, rate_limited=7, lowest_concurrency=None)
+    assert report["calls"]["lowest_concurrency"] <= 2  # halved at the first 429
+    assert "7 rate-limited (0.0 s waited, concurrency down to " in capsys.readouterr().out
+    assert (out / "data.jsonl").read_bytes() == (tmp_path / "whole" / "data.jsonl").read_bytes()
 
 
-def test_calls_that_keep_failing_drop_their_samples_counted(tmp_path, docs, sample_tokenizer):
-    with OpenAIStub(scripted, key=KEY, fail_every=1) as server:
-        client = client_for(server, max_retries=1)
-        report = self_instruct.generate(
-            docs, tmp_path / "gen", tokenizer=sample_tokenizer, client=client, min_tokens=200, max_tokens=900
-        )
-    assert report["samples"] == {"planned": 2, "made": 0, "dropped": {"call_failed": 2}}
-    assert report["calls"]["failed"] == 2
-    assert report["dropped_samples"][0]["detail"] == (
-        "turn 1 instruction: 500 from the server: The server had an error (tried 2 times)"
+def test_a_request_rate_limited_past_max_wait_drops_its_sample(tmp_path, docs, sample_tokenizer, capsys):
+    with OpenAIStub(scripted, key=KEY, rate_limit_every=1, retry_after=1) as server:
+        argv = cli_args(docs, tmp_path / "gen", server.base_url, "--max-wait", "0.5")
+        assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert (
+        "no sample made (2 planned, dropped: 2 call_failed; the first: turn 1 instruction: 429 from the server: "
+        in err
     )
-    assert (tmp_path / "gen" / "data.jsonl").read_text() == ""
+    assert "longer than the 0.5 s max wait" in err
+
+
+def test_a_run_that_makes_no_sample_is_exit_2_and_keeps_the_earlier_output(tmp_path, docs, capsys):
+    out = tmp_path / "gen"
+    with OpenAIStub(scripted, key=KEY) as server:
+        assert main(cli_args(docs, out, server.base_url)) == 0
+        before = {p.name: p.read_bytes() for p in out.iterdir()}
+        # every reply is longer than --max-new-tokens 5: cut, and no sample can be made of it
+        assert main(cli_args(docs, out, server.base_url, "--max-new-tokens", "5")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(
+        f"longalign data: error: {out}: no sample made (2 planned, dropped: 2 reply_cut; the first: turn 1 "
+        "instruction: the reply reached --max-new-tokens); left as it was, the 6 answers paid for kept"
+    )
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert len(AnswerStore(out)) == 6  # the output's four answers and the two cut replies
 
 
 def test_a_stopped_run_restarted_asks_nothing_twice_and_writes_the_same_file(
@@ -248,17 +284,170 @@ def test_a_stopped_run_restarted_asks_nothing_twice_and_writes_the_same_file(
         with pytest.raises(ServerError, match="401 from the server"):
             run_self_instruct(docs, out, server, sample_tokenizer, turns=2, concurrency=1)
     assert not out.exists()
-    assert len(CallCache(cache_path(out))) == 5
+    assert len(AnswerStore(out)) == 5
     with OpenAIStub(scripted, key=KEY) as server:
         report = run_self_instruct(docs, out, server, sample_tokenizer, turns=2)
         again = server.requests
     assert len(again) == total - 5
-    assert not {json.dumps(b, sort_keys=True) for b in answered} & {
-        json.dumps(b, sort_keys=True) for b in again
-    }
-    assert report["calls"]["from_cache"] == 5
+    assert not {canonical(b) for b in answered} & {canonical(b) for b in again}
+    assert report["calls"]["reused"] == 5
     assert (out / "data.jsonl").read_bytes() == (tmp_path / "whole" / "data.jsonl").read_bytes()
-    assert not cache_path(out).exists()
+    assert not work_path(out).exists()
+
+
+def test_a_rerun_after_dropped_samples_asks_only_the_failed_calls_and_writes_the_same_file(
+    tmp_path, docs, sample_tokenizer
+):
+    with OpenAIStub(scripted, key=KEY) as server:
+        run_self_instruct(docs, tmp_path / "whole", server, sample_tokenizer)
+        total = server.calls
+    out = tmp_path / "gen"
+    with OpenAIStub(scripted, key=KEY, fail_every=3) as server:
+        first = run_self_instruct(docs, out, server, sample_tokenizer, max_retries=0, concurrency=1)
+        answered = [body for n, body in enumerate(server.requests, 1) if n % 3]  # arrivals 3, 6, ... failed
+    # arrivals 1, 2 make sample 1; 3 fails sample 2; 4, 5 make sample 3; 6 fails sample 4
+    assert first["samples"] == {"planned": 4, "made": 2, "dropped": {"call_failed": 2}}
+    with OpenAIStub(scripted, key=KEY) as server:
+        report = run_self_instruct(docs, out, server, sample_tokenizer)
+        again = server.requests
+    assert len(again) == total - len(answered)  # every call the first run had no answer for, once
+    assert not {canonical(b) for b in answered} & {canonical(b) for b in again}
+    assert report["calls"]["reused"] == len(answered)
+    assert report["tokens"]["reused_prompt"] == sum(
+        len(m["content"].split()) for b in answered for m in b["messages"]
+    )
+    assert report["samples"] == {"planned": 4, "made": 4, "dropped": {}}
+    assert (out / "data.jsonl").read_bytes() == (tmp_path / "whole" / "data.jsonl").read_bytes()
+
+
+def test_more_per_doc_or_turns_ask_only_the_new_calls_and_fresh_asks_everything(
+    tmp_path, docs, sample_tokenizer
+):
+    with OpenAIStub(scripted, key=KEY) as server:
+        run_self_instruct(docs, tmp_path / "four", server, sample_tokenizer, per_doc=4, turns=2)
+        total = server.requests
+    out = tmp_path / "gen"
+    with OpenAIStub(scripted, key=KEY) as server:
+        run_self_instruct(docs, out, server, sample_tokenizer, per_doc=2, turns=1)
+        asked = server.requests
+        assert len(asked) == 2 * 2 * 2  # documents x samples x calls
+        run_self_instruct(docs, out, server, sample_tokenizer, per_doc=2, turns=2)
+        asked = server.requests
+        assert len(asked) == 8 + 8  # the second turn of the same four samples
+        report = run_self_instruct(docs, out, server, sample_tokenizer, per_doc=4, turns=2)
+        asked = server.requests
+        assert len(asked) == 16 + 16  # four new samples of two turns
+        assert report["calls"] | {"lowest_concurrency": 4} == calls(16, reused=16)
+        assert sorted(map(canonical, asked)) == sorted(map(canonical, total))  # each request asked once
+        assert (out / "data.jsonl").read_bytes() == (tmp_path / "four" / "data.jsonl").read_bytes()
+        report = run_self_instruct(
+            docs, out, server, sample_tokenizer, per_doc=4, turns=2, answers=AnswerOptions(fresh=True)
+        )
+        assert server.calls == 32 + 32 and report["calls"]["reused"] == 0
+    assert (out / "data.jsonl").read_bytes() == (tmp_path / "four" / "data.jsonl").read_bytes()
+    assert len(lines(out / "calls.jsonl")) == 32
+
+
+# --- batch APIs ------------------------------------------------------------------------------------------
+
+
+def run_in_batches(docs, out, server, tokenizer, **options):
+    answers = AnswerOptions(mode=BATCH, poll_seconds=0.01)
+    return run_self_instruct(docs, out, server, tokenizer, answers=answers, **options)
+
+
+def test_batch_results_equal_the_online_runs_one_batch_per_round(tmp_path, docs, sample_tokenizer, capsys):
+    with OpenAIStub(scripted, key=KEY) as server:
+        run_self_instruct(docs, tmp_path / "online", server, sample_tokenizer, turns=2)
+        online = server.requests
+    out = tmp_path / "gen"
+    with OpenAIStub(scripted, key=KEY) as server:
+        report = run_in_batches(docs, out, server, sample_tokenizer, turns=2)
+        assert server.calls == 0  # nothing asked one at a time
+        assert server.batches == [f"batch_stub_{n}" for n in (1, 2, 3, 4)]  # instruction, answer, x 2 turns
+        assert sorted(map(canonical, server.batch_requests)) == sorted(map(canonical, online))
+    assert (out / "data.jsonl").read_bytes() == (tmp_path / "online" / "data.jsonl").read_bytes()
+    prompt_words = sum(len(m["content"].split()) for body in online for m in body["messages"])
+    assert report["batch"] | {"completion_tokens": None} == {
+        "mode": "batch", "submitted": 4, "picked_up": 0, "files_written": 0, "requests": 16, "answered": 16,
+        "failed": 0, "prompt_tokens": prompt_words, "completion_tokens": None,
+    }  # fmt: skip
+    assert report["tokens"]["prompt"] == prompt_words and report["calls"]["made"] == 0
+    assert "self-instruct round 1: batch batch_stub_1" in capsys.readouterr().err  # the progress line
+
+
+def test_failed_batch_lines_go_into_the_next_batch_a_400_fails_at_once(tmp_path, docs, sample_tokenizer):
+    with OpenAIStub(scripted, key=KEY) as server:
+        run_self_instruct(docs, tmp_path / "online", server, sample_tokenizer)
+    run_before: set[str] = set()
+
+    def first_run_fails(body):
+        first = canonical(body) not in run_before
+        run_before.add(canonical(body))
+        return first
+
+    out = tmp_path / "gen"
+    with OpenAIStub(scripted, key=KEY, fail_batch_line=first_run_fails) as server:
+        report = run_in_batches(docs, out, server, sample_tokenizer)
+        sizes = [len(server.batch_requests)]
+    # the 4 instructions fail, run again and pass; then the 4 answers fail, run again and pass
+    assert (report["batch"]["submitted"], report["batch"]["failed"], report["batch"]["answered"]) == (4, 8, 8)
+    assert sizes == [16]
+    assert (out / "data.jsonl").read_bytes() == (tmp_path / "online" / "data.jsonl").read_bytes()
+    refuse_b = lambda body: "prompt too long" if "Section 2.0" in body["messages"][0]["content"] else None  # noqa: E731
+    with OpenAIStub(scripted, key=KEY, reject=refuse_b) as server:
+        report = run_in_batches(docs, tmp_path / "refused", server, sample_tokenizer)
+        assert len(server.batches) == 2  # the refused lines are not sent again
+    assert report["samples"]["dropped"] == {"call_failed": 2}
+    assert report["dropped_samples"][0]["detail"] == (
+        "turn 1 instruction: 400 from the batch: prompt too long (tried once in batches)"
+    )
+
+
+def without_url(argv: list[str]) -> list[str]:
+    at = argv.index("--base-url")
+    return argv[:at] + argv[at + 2 :]
+
+
+def test_batch_file_only_then_batch_results_gives_the_batch_output(tmp_path, docs, sample_tokenizer, capsys):
+    with OpenAIStub(scripted, key=KEY) as server:
+        run_in_batches(docs, tmp_path / "batch", server, sample_tokenizer, per_doc=1)
+    offline = OpenAIStub(scripted, key=KEY)  # never started: its run_batch_file stands in for vllm run-batch
+    out = tmp_path / "gen"
+    argv = without_url(cli_args(docs, out, "unused", "--batch-file-only"))
+    written = []
+    while True:
+        assert main(argv) == 0
+        printed = capsys.readouterr().out
+        if out.exists():
+            break
+        batch_file = Path(re.search(r"^wrote (\S+): the next (\d+) requests to stub-model", printed, re.M)[1])
+        command = re.search(r"^run it: (vllm run-batch .*)$", printed, re.M)[1].split()
+        assert command[:3] == ["vllm", "run-batch", "-i"] and command[3] == str(batch_file)
+        results = Path(command[5])
+        results.write_text(offline.run_batch_file(batch_file.read_text()))
+        written.append(batch_file.name)
+        argv = without_url(cli_args(docs, out, "unused", "--batch-results", str(results)))
+    assert written == ["gen.batch-1.jsonl", "gen.batch-2.jsonl"]  # the instructions, then the answers
+    assert (out / "data.jsonl").read_bytes() == (tmp_path / "batch" / "data.jsonl").read_bytes()
+    assert "batches: 0 submitted, 0 picked up again, 0 files written; 0 requests" in printed
+    assert len(offline.batch_requests) == 4
+    assert (
+        main(without_url(cli_args(docs, tmp_path / "other", "unused", "--batch-results", str(results)))) == 2
+    )
+    assert "none of its 2 lines answers a request this run waits for" in capsys.readouterr().err
+
+
+def test_batch_flags_that_contradict_are_one_line(tmp_path, docs, capsys):
+    for extra, message in (
+        (["--batch", "--batch-file-only"], "--batch with --batch-file-only/--batch-results: choose"),
+        (["--fresh", "--batch-results", str(docs / "a.md")], "--fresh with --batch-results"),
+        (["--batch-results", str(tmp_path / "none.jsonl")], "none.jsonl: no such file"),
+    ):
+        assert main(cli_args(docs, tmp_path / "gen", "http://127.0.0.1:9/v1", *extra)) == 2
+        assert message in capsys.readouterr().err
+    assert main(without_url(cli_args(docs, tmp_path / "gen", "unused"))) == 2
+    assert "--base-url: missing" in capsys.readouterr().err
 
 
 # --- agentwrite ------------------------------------------------------------------------------------------
@@ -321,7 +510,7 @@ def test_agentwrite_500_every_third_call_ends_with_every_sample_and_the_counts(t
     # 3 plans + 9 paragraphs = 12 requests; T = 12 + T // 3 gives T = 17 (calls 3, 6, ..., 15 failed)
     assert received == 17
     assert report["samples"] == {"planned": 3, "made": 3, "dropped": {}}
-    assert report["calls"] == {"made": 12, "succeeded": 12, "failed": 0, "retried": 5, "from_cache": 0}
+    assert report["calls"] == calls(12, retried=5)
 
 
 def test_bad_prompt_rows_are_refused_naming_the_line_before_any_call(tmp_path):
@@ -438,43 +627,20 @@ def test_the_key_is_in_no_file(tmp_path, docs, capsys):
 
         server.reply = revoke_after_three
         assert main(cli_args(docs, tmp_path / "stopped", server.base_url, "--concurrency", "1")) == 2
-        assert cache_path(tmp_path / "stopped").exists()  # kept for the restart
+        assert work_path(tmp_path / "stopped").exists()  # kept for the restart
         server.key, server.reply = KEY, scripted
         assert main(cli_args(docs, tmp_path / "gen", server.base_url)) == 0
     printed = capsys.readouterr()
     assert "401 from the server: the API key in LONGALIGN_TEST_DATA_KEY was refused" in printed.err
     assert "2 of 2 samples" in printed.out and "calls: 4 made" in printed.out
     files = [p for p in tmp_path.rglob("*") if p.is_file()]
-    assert {p.name for p in files} >= {"data.jsonl", "report.json", ".stopped.cache.jsonl"}
+    assert {p.name for p in files} >= {"data.jsonl", "report.json", "calls.jsonl", ".stopped.calls.jsonl"}
     for path in files:
         assert KEY.encode() not in path.read_bytes(), path
     assert KEY not in printed.out + printed.err
 
 
 # --- the slow tier: a real kill, and the output as a train_file ------------------------------------------
-
-
-class Gate:
-    """A reply function that answers ``open_for`` requests, then holds every later one until ``release``."""
-
-    def __init__(self, open_for: int) -> None:
-        self.open_for = open_for
-        self.answered: list[dict] = []
-        self.release = threading.Event()
-        self._lock = threading.Lock()
-
-    def __call__(self, body: dict) -> str:
-        with self._lock:
-            hold = len(self.answered) >= self.open_for
-            if not hold:
-                self.answered.append(body)
-        if hold:
-            self.release.wait(timeout=600)
-        return scripted(body)
-
-
-def finished_lines(path: Path) -> int:
-    return path.read_bytes().count(b"\n") if path.exists() else 0
 
 
 @pytest.mark.integration
@@ -485,30 +651,18 @@ def test_a_killed_run_restarted_pays_for_nothing_twice_and_writes_the_same_file(
         run_self_instruct(docs, tmp_path / "whole", server, sample_tokenizer, per_doc=2)
         total = server.calls
     out = tmp_path / "gen"
-    gate = Gate(open_for=5)
+    gate = Gate(scripted, open_for=5)
     with OpenAIStub(gate, key=KEY) as server:
-        cmd = [
-            sys.executable,
-            "-m",
-            "longalign",
-            *cli_args(docs, out, server.base_url, "--per-doc", "2", "--concurrency", "2"),
-        ]
-        process = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+        cmd = [sys.executable, "-m", "longalign",
+               *cli_args(docs, out, server.base_url, "--per-doc", "2", "--concurrency", "2")]  # fmt: skip
+        # every answered call is in the work file before the kill
+        returncode = killed_once(
+            cmd, ready=lambda: finished_lines(work_path(out)) >= 5, what="kept 5 answers", cwd=ROOT
         )
-        try:
-            deadline = time.monotonic() + 300
-            while finished_lines(cache_path(out)) < 5:  # every answered call is in the cache before the kill
-                assert process.poll() is None, process.communicate()[1].decode()[-2000:]
-                assert time.monotonic() < deadline, "the run never cached five calls"
-                time.sleep(0.05)
-        finally:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
-            gate.release.set()
-    assert process.returncode == -signal.SIGKILL
+        gate.release.set()
+    assert returncode == -signal.SIGKILL
     assert not out.exists()
-    assert len(CallCache(cache_path(out))) == 5
+    assert len(AnswerStore(out)) == 5
     with OpenAIStub(scripted, key=KEY) as server:
         result = run_process(
             [sys.executable, "-m", "longalign", *cli_args(docs, out, server.base_url, "--per-doc", "2")],
@@ -517,12 +671,36 @@ def test_a_killed_run_restarted_pays_for_nothing_twice_and_writes_the_same_file(
         )
         again = server.requests
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "5 answered from the cache" in result.stdout
+    assert "5 answers reused" in result.stdout
     assert len(again) == total - 5
-    canonical = lambda body: json.dumps(body, sort_keys=True)  # noqa: E731
     assert not {canonical(b) for b in gate.answered} & {canonical(b) for b in again}
     assert (out / "data.jsonl").read_bytes() == (tmp_path / "whole" / "data.jsonl").read_bytes()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs", "gen", "whole"]  # no cache, no staging left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs", "gen", "whole"]  # no work file, no staging
+
+
+@pytest.mark.integration
+def test_a_run_killed_after_submitting_a_batch_polls_that_batch_again_on_restart(
+    tmp_path, docs, sample_tokenizer
+):
+    with OpenAIStub(scripted, key=KEY) as server:
+        run_self_instruct(docs, tmp_path / "online", server, sample_tokenizer, per_doc=2)
+    out = tmp_path / "gen"
+    held = threading.Event()  # the server keeps every batch in progress until it is set
+    with OpenAIStub(scripted, key=KEY, hold_batches=held) as server:
+        cmd = [sys.executable, "-m", "longalign",
+               *cli_args(docs, out, server.base_url, "--per-doc", "2", "--batch", "--batch-poll", "0.05")]  # fmt: skip
+        stored = lambda: work_path(out).exists() and b'"batch": "batch_stub_1"' in work_path(out).read_bytes()  # noqa: E731
+        assert killed_once(cmd, ready=stored, what="stored its batch id", cwd=ROOT) == -signal.SIGKILL
+        assert server.batches == ["batch_stub_1"] and server.batch_requests == []
+        held.set()
+        result = run_process(cmd, timeout=300, cwd=ROOT)
+        batches, lines_run = server.batches, server.batch_requests
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert batches == ["batch_stub_1", "batch_stub_2"]  # the instructions' batch read, not submitted again
+    assert len(lines_run) == len({canonical(b) for b in lines_run}) == 8
+    batch = json.loads((out / "report.json").read_text())["batch"]
+    assert (batch["picked_up"], batch["submitted"], batch["answered"]) == (1, 1, 8)
+    assert (out / "data.jsonl").read_bytes() == (tmp_path / "online" / "data.jsonl").read_bytes()
 
 
 @pytest.mark.integration

@@ -1,17 +1,21 @@
-"""``longalign eval`` against an OpenAI-compatible server started on 127.0.0.1 in the test (bearer key checked)."""
+"""``longalign eval`` against an OpenAI-compatible server started on 127.0.0.1 in the test (bearer key checked):
+scores, the answer store (reruns, a changed judge, a kill), batches, no tokenizer where none is needed."""
 
 from __future__ import annotations
 
 import json
 import re
+import signal
 import socket
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import TOKENIZER, tiny_model
-from openai_stub import OpenAIStub
+from conftest import ROOT, TOKENIZER, killed_once, run_process, tiny_model
+from openai_stub import Gate, OpenAIStub, finished_lines
 from transformers import AutoTokenizer
 
+from longalign.answers import work_path
 from longalign.cli import main
 from longalign.eval.judge import JUDGE_SYSTEM, QUALITY_SYSTEM
 
@@ -256,3 +260,167 @@ def test_chat_with_a_local_model_and_a_served_judge(tmp_path):
     record = json.loads((out / "run_config.json").read_text())
     assert record["server"] is None and record["judge"]["api_key_env"] == "OPENAI_API_KEY"
     no_key_in(out)
+
+
+# --- the answer store, batches, no tokenizer -------------------------------------------------------------
+
+
+def chat_data(tmp_path: Path, n: int = 3) -> Path:
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"idx": i, "prompt": f"Long text {i}. Question {i}?", "query": f"Question {i}?",
+                                        "answer": f"ref {i}"}) + "\n" for i in range(n)))  # fmt: skip
+    return data
+
+
+def rate(body: dict) -> str:
+    """A model that repeats the question, and a judge whose rating is the case's number + 2."""
+    content = body["messages"][-1]["content"]
+    if body["messages"][0]["content"] == JUDGE_SYSTEM:
+        case = int(re.search(r"Question (\d+)", content)[1])
+        return f"Fair. [[{case + 2}]]"
+    return "answer to " + content.split(".")[0]
+
+
+def judge_of(server: OpenAIStub) -> list[str]:
+    return ["--judge-base-url", server.base_url, "--judge-model", server.model, "--judge-max-retries", "0"]
+
+
+def test_a_served_eval_run_again_asks_nothing_and_writes_the_same_results(tmp_path, capsys):
+    out = tmp_path / "needle"
+    argv = ["--lengths", "200,400", "--depths", "0,50,100", "--output", str(out)]
+    with OpenAIStub(lambda body: "I could not find it.", key=KEY) as server:
+        assert main(["eval", "needle", *served(server), *argv]) == 0
+        first = (out / "results.jsonl").read_bytes()
+        assert main(["eval", "needle", *served(server), *argv]) == 0
+        assert server.calls == 6
+        assert main(["eval", "needle", *served(server), *argv, "--samples-per-cell", "2"]) == 0
+        assert server.calls == 6 + 6  # the new samples only
+    assert (out / "results.jsonl").read_bytes() != first
+    printed = capsys.readouterr().out
+    assert "model: 0 calls made (0 failed, 0 retried, 0 rate-limited), 6 answers reused (" in printed
+    report = json.loads((out / "report.json").read_text())
+    assert (report["model"]["calls"]["made"], report["model"]["calls"]["reused"]) == (6, 6)
+    assert len(read_results(out)) == len((out / "calls.jsonl").read_text().splitlines()) == 12
+    no_key_in(out)
+
+
+def test_a_changed_judge_model_re_asks_only_the_judge(tmp_path):
+    data, out = chat_data(tmp_path), tmp_path / "chat"
+    with (
+        OpenAIStub(rate, key=KEY) as model,
+        OpenAIStub(rate, key=KEY, model="judge-a") as judge_a,
+        OpenAIStub(rate, key=KEY, model="judge-b") as judge_b,
+    ):
+        argv = ["eval", "chat", *served(model), "--data", str(data), "--output", str(out)]
+        assert main([*argv, *judge_of(judge_a)]) == 0
+        assert (model.calls, judge_a.calls) == (3, 3)
+        assert main([*argv, *judge_of(judge_b)]) == 0
+        assert (model.calls, judge_a.calls, judge_b.calls) == (3, 3, 3)  # only the new judge was asked
+        assert main([*argv, *judge_of(judge_a)]) == 0  # both judges' ratings are kept
+        assert (model.calls, judge_a.calls, judge_b.calls) == (3, 3, 3)
+    assert [r["rating"] for r in read_results(out)] == [2.0, 3.0, 4.0]
+    report = json.loads((out / "report.json").read_text())
+    assert report["judge"]["server"]["model"] == "judge-a" and report["judge"]["calls"]["reused"] == 3
+
+
+def test_write_and_chat_run_through_a_server_without_a_tokenizer(tmp_path, capsys):
+    write_data = tmp_path / "write.jsonl"
+    write_data.write_text(json.dumps({"prompt": "Write 4 words, naïvely.", "length": 4}) + "\n")
+    no_tokenizer = lambda server: [a for a in served(server) if a != str(TOKENIZER) and a != "--tokenizer"]  # noqa: E731
+    with OpenAIStub(lambda body: "one two three four", key=KEY) as server:
+        assert main(["eval", "write", *no_tokenizer(server), "--data", str(write_data),
+                     "--output", str(tmp_path / "write")]) == 0  # fmt: skip
+        (body,) = server.requests
+    assert body["messages"] == [{"role": "user", "content": "Write 4 words, naïvely."}]  # the text as it is
+    assert read_results(tmp_path / "write")[0]["length_score"] == 100.0
+    with OpenAIStub(rate, key=KEY) as server:
+        argv = ["eval", "chat", *no_tokenizer(server), *judge_of(server), "--data", str(chat_data(tmp_path))]
+        assert main([*argv, "--output", str(tmp_path / "chat")]) == 0
+        assert main([*argv, "--max-length", "100", "--output", str(tmp_path / "cut")]) == 2
+        assert (
+            "--tokenizer: needed with --backend openai (--max-length cuts the prompts' middle in tokens)"
+            in (capsys.readouterr().err)
+        )
+        assert main(["eval", "needle", *no_tokenizer(server), "--output", str(tmp_path / "needle")]) == 2
+        assert "--tokenizer: needed with --backend openai (it builds prompts of exact token lengths)" in (
+            capsys.readouterr().err
+        )
+    rows = read_results(tmp_path / "chat")
+    assert [(r["prompt_tokens"], r["rating"]) for r in rows] == [(None, 2.0), (None, 3.0), (None, 4.0)]
+
+
+def batch_flags() -> list[str]:
+    return ["--batch", "--batch-poll", "0.01"]
+
+
+def test_eval_chat_through_the_batch_api_equals_the_online_run(tmp_path):
+    data = chat_data(tmp_path)
+    with OpenAIStub(rate, key=KEY) as server:
+        argv = ["eval", "chat", *served(server), *judge_of(server), "--data", str(data)]
+        assert main([*argv, "--output", str(tmp_path / "online")]) == 0
+        online = server.calls
+        assert main([*argv, *batch_flags(), "--output", str(tmp_path / "batch")]) == 0
+        assert server.calls == online  # nothing more asked one at a time
+        assert server.batches == ["batch_stub_1", "batch_stub_2"]  # the model's answers, then the ratings
+        assert len(server.batch_requests) == 6
+    assert read_results(tmp_path / "batch") == read_results(tmp_path / "online")
+    report = json.loads((tmp_path / "batch" / "report.json").read_text())
+    assert report["model"]["batch"]["answered"] == report["judge"]["batch"]["answered"] == 3
+
+
+def test_eval_write_batch_file_only_then_batch_results_equals_the_batch_run(tmp_path, capsys):
+    data = tmp_path / "write.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": f"Write {n} words.", "length": 5}) + "\n" for n in (3, 5, 9))
+    )
+
+    def reply(body):
+        if body["messages"][0]["content"] == QUALITY_SYSTEM:
+            return "Decent. [[7]]"
+        return " ".join(["word"] * int(re.search(r"Write (\d+) words", body["messages"][-1]["content"])[1]))
+
+    with OpenAIStub(reply, key=KEY) as server:
+        argv = ["eval", "write", *served(server), *judge_of(server), "--data", str(data)]
+        assert main([*argv, *batch_flags(), "--output", str(tmp_path / "batch")]) == 0
+    offline = OpenAIStub(reply, key=KEY)  # never started: its run_batch_file stands in for vllm run-batch
+    out = tmp_path / "write"
+    argv = ["eval", "write", "--backend", "openai", "--served-model", "stub-model", "--judge-model", "stub-model",
+            "--data", str(data), "--output", str(out)]  # fmt: skip
+    rounds, results = 0, ["--batch-file-only"]
+    while not out.exists():
+        assert main([*argv, *results]) == 0
+        printed = capsys.readouterr().out
+        if out.exists():
+            break
+        command = re.search(r"^run it: (vllm run-batch .*)$", printed, re.M)[1].split()
+        Path(command[5]).write_text(offline.run_batch_file(Path(command[3]).read_text()))
+        results = ["--batch-results", command[5]]
+        rounds += 1
+    assert rounds == 2
+    assert read_results(out) == read_results(tmp_path / "batch")
+
+
+@pytest.mark.integration
+def test_eval_chat_killed_after_some_judged_cases_resumes_asking_nothing_answered(tmp_path):
+    data, out = chat_data(tmp_path, n=6), tmp_path / "chat"
+    gate = Gate(rate, open_for=6 + 3)  # the six answers and three ratings; the next ratings are held
+    command = lambda server: [sys.executable, "-m", "longalign", "eval", "chat", *served(server),  # noqa: E731
+                              *judge_of(server), "--data", str(data), "--output", str(out)]  # fmt: skip
+    with OpenAIStub(gate, key=KEY) as server:
+        # every answer is in the work file before the kill
+        ready = lambda: finished_lines(work_path(out)) >= 9  # noqa: E731
+        returncode = killed_once(command(server), ready=ready, what="kept nine answers", cwd=ROOT)
+        gate.release.set()
+        in_flight = list(gate.held)
+    assert returncode == -signal.SIGKILL and not out.exists()
+    assert in_flight  # ratings were asked and held when the run was killed
+    with OpenAIStub(rate, key=KEY) as server:
+        result = run_process(command(server), timeout=300, cwd=ROOT)
+        again = server.requests
+    assert result.returncode == 0, result.stderr[-2000:]
+    canonical = lambda body: json.dumps(body, sort_keys=True)  # noqa: E731
+    assert len(again) == 3  # the three ratings not answered before the kill
+    assert not {canonical(b) for b in gate.answered} & {canonical(b) for b in again}
+    assert {canonical(b) for b in in_flight} <= {canonical(b) for b in again}  # asked again: never answered
+    assert [r["rating"] for r in read_results(out)] == [2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
+    assert not work_path(out).exists()

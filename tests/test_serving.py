@@ -1,4 +1,4 @@
-"""The serving client against a local OpenAI-compatible stub: order, retries, failures, errors, key hygiene."""
+"""The serving client against a local OpenAI-compatible stub: order, retries, rate limits, failures, errors, key hygiene."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from longalign.serving import (
     Completion,
     ServerError,
     ServerSettings,
+    _Window,
     add_server_arguments,
     server_settings,
 )
@@ -40,6 +41,21 @@ def client_for(server: OpenAIStub, sleeps: list[float] | None = None, **settings
         ServerSettings(base_url=server.base_url, model=server.model, api_key_env=KEY_ENV, **settings),
         sleep=waits.append,
     )
+
+
+class FakeClock:
+    """A clock that a client's ``sleep`` moves on: waits are recorded, none is slept."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.sleeps: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
 
 
 def user(text: str) -> list[dict[str, str]]:
@@ -74,7 +90,7 @@ def test_results_in_input_order_with_four_in_flight(capsys):
     assert [r.text for r in results] == [f"answer {i * i}" for i in range(12)]
     assert most == 4
     assert client.stats == CallStats(
-        calls=12, succeeded=12, failed=0, retried=0, prompt_tokens=12, completion_tokens=24
+        calls=12, succeeded=12, prompt_tokens=12, completion_tokens=24, lowest_concurrency=4
     )
     assert "squaring" in capsys.readouterr().err
 
@@ -121,25 +137,76 @@ def test_500_every_third_call_is_retried_until_all_succeed():
     assert [r.text for r in results] == [f"echo: q{i}" for i in range(9)]
     assert calls == 13
     assert client.stats == CallStats(
-        calls=9, succeeded=9, failed=0, retried=4, prompt_tokens=9, completion_tokens=18
+        calls=9, succeeded=9, retried=4, prompt_tokens=9, completion_tokens=18, lowest_concurrency=4
     )
     assert len(sleeps) == 4
     assert min(sleeps) == 1.0
     assert set(sleeps) <= {1.0, 2.0, 4.0, 8.0}  # a retry that meets another multiple of 3 waits longer
 
 
-def test_429_waits_what_retry_after_asks():
+def test_a_429_waits_what_retry_after_asks_and_is_not_a_retry():
     sleeps: list[float] = []
-    with OpenAIStub(key=KEY, fail_first_with_429=2, retry_after=7) as server:
-        client = client_for(server, sleeps)
+    with OpenAIStub(key=KEY, fail_first_with_429=8, retry_after=7) as server:
+        client = client_for(server, sleeps, max_retries=0)
         result = client.complete(user("hello"))
         calls = server.calls
     assert result == Completion(
         text="echo: hello", finish_reason="stop", prompt_tokens=1, completion_tokens=2
     )
-    assert sleeps == [7.0, 7.0]
-    assert calls == 3
-    assert client.stats.retried == 2
+    assert sleeps == [7.0] * 8  # eight 429s waited out although no retry is allowed
+    assert calls == 9
+    stats = client.stats
+    assert (stats.retried, stats.rate_limited, stats.rate_limit_wait_seconds) == (0, 8, 56.0)
+
+
+def test_a_429_without_retry_after_backs_off():
+    sleeps: list[float] = []
+    with OpenAIStub(key=KEY, fail_first_with_429=3) as server:
+        server.retry_after = "soon"  # not a number of seconds: the backoff decides
+        client = client_for(server, sleeps)
+        assert client.complete(user("hello")).text == "echo: hello"
+    assert sleeps == [1.0, 2.0, 4.0]
+
+
+def test_every_other_request_rate_limited_all_succeed_with_fewer_in_flight():
+    with OpenAIStub(key=KEY, rate_limit_every=2) as server:
+        client = client_for(server, concurrency=4, max_retries=0)
+        results = client.complete_many([{"messages": user(f"q{i}")} for i in range(12)])
+        calls = server.calls
+    assert [r.text for r in results] == [f"echo: q{i}" for i in range(12)]
+    # arrivals 2, 4, ... are refused and the last is answered: 12 answers + 11 refusals
+    assert calls == 23
+    stats = client.stats
+    assert (stats.succeeded, stats.failed, stats.rate_limited) == (12, 0, 11)
+    assert stats.lowest_concurrency <= 2  # halved at the first 429
+
+
+def test_the_window_halves_on_a_429_and_grows_by_one_after_a_run_of_successes():
+    window = _Window(8)
+    sizes = []
+    for event in ["429", "429", "429", "429", "ok", "ok", "ok", "ok", "ok", "429"] + ["ok"] * 30:
+        window.rate_limited() if event == "429" else window.succeeded()
+        sizes.append(window.size)
+    assert sizes[:10] == [4, 2, 1, 1, 2, 2, 3, 3, 3, 1]
+    assert sizes[-1] == 8 and max(sizes) == 8  # back to the ceiling, never above it
+    assert window.lowest == 1
+
+
+def test_a_request_rate_limited_longer_than_max_wait_fails():
+    clock = FakeClock()
+    with OpenAIStub(key=KEY, rate_limit_every=1, retry_after=2) as server:
+        client = ChatClient(
+            ServerSettings(base_url=server.base_url, model=server.model, api_key_env=KEY_ENV, max_wait=5),
+            sleep=clock.sleep,
+            clock=clock,
+        )
+        result = client.complete(user("hello"))
+        calls = server.calls
+    assert result == CallFailure(
+        "429 from the server: Rate limit reached (rate-limited for 6 s, longer than the 5 s max wait)", 429
+    )
+    assert clock.sleeps == [2.0, 2.0] and calls == 3
+    assert (client.stats.failed, client.stats.rate_limited) == (1, 3)
 
 
 def test_persistent_500_is_a_counted_call_failure():
@@ -153,7 +220,7 @@ def test_persistent_500_is_a_counted_call_failure():
     assert result.error == "500 from the server: The server had an error (tried 4 times)"
     assert sleeps == [1.0, 2.0, 4.0]  # exponential backoff from 1 s
     assert calls == 4
-    assert client.stats == CallStats(calls=1, succeeded=0, failed=1, retried=3)
+    assert client.stats == CallStats(calls=1, failed=1, retried=3, lowest_concurrency=4)
 
 
 def test_400_is_that_requests_call_failure_at_once_and_the_others_go_on():
@@ -168,7 +235,7 @@ def test_400_is_that_requests_call_failure_at_once_and_the_others_go_on():
     assert sleeps == []  # asking again would get the same answer
     assert calls == 2
     assert client.stats == CallStats(
-        calls=2, succeeded=1, failed=1, retried=0, prompt_tokens=1, completion_tokens=1
+        calls=2, succeeded=1, failed=1, prompt_tokens=1, completion_tokens=1, lowest_concurrency=4
     )
 
 
@@ -181,25 +248,30 @@ def test_no_answer_within_the_timeout_is_a_call_failure():
         released.set()
     assert result == CallFailure(error="no answer within 0.1 s (tried 2 times)", status=None)
     assert sleeps == [1.0]
-    assert client.stats == CallStats(calls=1, failed=1, retried=1)
+    assert client.stats == CallStats(calls=1, failed=1, retried=1, lowest_concurrency=4)
 
 
 def test_failures_keep_their_place_among_successes():
-    with OpenAIStub(key=KEY, fail_first_with_429=3) as server:
+    with OpenAIStub(key=KEY, fail_every=2) as server:
         client = client_for(server, concurrency=1, max_retries=1)
         results = client.complete_many([{"messages": user(w)} for w in ("a", "b", "c")])
-    # calls 1-3 are 429: "a" fails twice; "b" fails once, then call 4 answers it; "c" is call 5
-    assert results == [
-        CallFailure(error="429 from the server: Rate limit reached (tried 2 times)", status=429),
-        Completion(text="echo: b", finish_reason="stop", prompt_tokens=1, completion_tokens=2),
-        Completion(text="echo: c", finish_reason="stop", prompt_tokens=1, completion_tokens=2),
-    ]
+    # calls 2 and 4 are 500s: "b" fails on call 2, then call 3 answers it; "c" fails on call 4, call 5 answers
+    assert [r.text for r in results] == ["echo: a", "echo: b", "echo: c"]
     assert (client.stats.calls, client.stats.succeeded, client.stats.failed, client.stats.retried) == (
         3,
-        2,
-        1,
+        3,
+        0,
         2,
     )
+    with OpenAIStub(key=KEY, fail_every=2) as server:
+        results = client_for(server, concurrency=1, max_retries=0).complete_many(
+            [{"messages": user(w)} for w in ("a", "b", "c")]
+        )
+    assert results == [
+        Completion(text="echo: a", finish_reason="stop", prompt_tokens=1, completion_tokens=2),
+        CallFailure(error="500 from the server: The server had an error (tried 1 times)", status=500),
+        Completion(text="echo: c", finish_reason="stop", prompt_tokens=1, completion_tokens=2),
+    ]
 
 
 def test_wrong_key_is_one_line_naming_the_url_without_the_key():
@@ -277,6 +349,7 @@ def test_the_key_is_in_no_record_or_repr():
         "api_key_env": KEY_ENV,
         "concurrency": 4,
         "max_retries": 5,
+        "max_wait": 3600.0,
         "timeout": 600.0,
     }
     assert KEY not in json.dumps(settings.record()) + repr(settings) + repr(client) + str(vars(settings))
@@ -294,6 +367,7 @@ def test_a_url_password_is_masked_in_the_record():
         ("concurrency", 0, "concurrency: expected an integer >= 1, got 0"),
         ("max_retries", -1, "max_retries: expected an integer >= 0, got -1"),
         ("timeout", 0.0, "timeout: expected seconds > 0, got 0.0"),
+        ("max_wait", 0.0, "max_wait: expected seconds > 0, got 0.0"),
     ],
 )
 def test_settings_that_cannot_work_are_config_errors(field, value, message):
@@ -315,17 +389,18 @@ def test_server_arguments_with_and_without_a_prefix():
     add_server_arguments(parser, prefix="judge-", default_key_env="JUDGE_API_KEY", required=False)
     args = parser.parse_args(
         ["--base-url", "http://127.0.0.1:8000/v1", "--served-model", "policy", "--concurrency", "8",
-         "--judge-base-url", "http://127.0.0.1:9000/v1", "--judge-model", "judge", "--judge-max-retries", "0"]
+         "--judge-base-url", "http://127.0.0.1:9000/v1", "--judge-model", "judge", "--judge-max-retries", "0",
+         "--max-wait", "90"]
     )  # fmt: skip
     assert server_settings(args) == ServerSettings(
-        base_url="http://127.0.0.1:8000/v1", model="policy", concurrency=8
+        base_url="http://127.0.0.1:8000/v1", model="policy", concurrency=8, max_wait=90.0
     )
     assert server_settings(args, prefix="judge-") == ServerSettings(
         base_url="http://127.0.0.1:9000/v1", model="judge", api_key_env="JUDGE_API_KEY", max_retries=0
     )
     help_text = parser.format_help()
     for flag in ("--judge-base-url", "--judge-model", "--judge-api-key-env", "--judge-concurrency",
-                 "--judge-max-retries", "--served-model", "--api-key-env", "--max-retries"):  # fmt: skip
+                 "--judge-max-retries", "--served-model", "--api-key-env", "--max-retries", "--judge-max-wait"):  # fmt: skip
         assert flag in help_text
     assert "--judge-served-model" not in help_text
 

@@ -158,10 +158,11 @@ def test_fingerprint_changes_when_a_file_is_touched(formats, tmp_path):
     assert fingerprint(source) != before
 
 
-def test_the_report_of_a_stage_output_is_not_read_as_chats(tmp_path):
+def test_the_report_and_the_answers_of_a_stage_output_are_not_read_as_chats(tmp_path):
     out = tmp_path / "gen"
     out.mkdir()
     (out / "data.jsonl").write_text("".join(json.dumps(c) + "\n" for c in CHATS))
     (out / "report.json").write_text('{"samples": 3}')
+    (out / "calls.jsonl").write_text('{"key": "3f2a", "model": "m", "completion": {"text": "hi"}}\n')
     (out / ".longalign-stage").write_text('{"stage": "data self-instruct"}')
     assert texts(Source(str(out))) == CHATS

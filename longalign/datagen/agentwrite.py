@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from longalign.datagen.calls import CachedCalls
+from longalign.answers import AnswerOptions, StoredCalls
 from longalign.datagen.prompts import AGENTWRITE_TEMPLATES, load_templates, render
 from longalign.datagen.stage import Dropped, Result, generation_stage, sample_seed, unusable
 from longalign.errors import ConfigError, InputError, PathError
@@ -100,7 +100,7 @@ def parse_plan(text: str) -> list[Step] | None:
     return steps
 
 
-def make_sample(job: Job, *, call: CachedCalls, settings: Settings) -> Result:
+def make_sample(job: Job, *, calls: StoredCalls, settings: Settings) -> Result:
     """The long answer to ``job``'s instruction, planned then written paragraph by paragraph, or why not."""
     length = (
         f"The whole answer should be about {job.length} words long."
@@ -108,7 +108,7 @@ def make_sample(job: Job, *, call: CachedCalls, settings: Settings) -> Result:
         else "Choose the length the task calls for."
     )
     ask = render(settings.templates["plan"], instruction=job.instruction, length=length)
-    planned = call([{"role": "user", "content": ask}], **_sampling(settings, job.seed))
+    planned = calls.complete([{"role": "user", "content": ask}], **_sampling(settings, job.seed))
     if (dropped := unusable(planned, what="plan", source=job.source)) is not None:
         return dropped
     steps = parse_plan(planned.text)
@@ -135,7 +135,9 @@ def make_sample(job: Job, *, call: CachedCalls, settings: Settings) -> Result:
             step=step.content,
             words=step.words,
         )
-        written = call([{"role": "user", "content": ask}], **_sampling(settings, job.seed + step.number))
+        written = calls.complete(
+            [{"role": "user", "content": ask}], **_sampling(settings, job.seed + step.number)
+        )
         if (dropped := unusable(written, what=f"paragraph {step.number}", source=job.source)) is not None:
             return dropped
         paragraphs.append(written.text.strip())
@@ -168,6 +170,7 @@ def generate(
     seed: int = 0,
     temperature: float = 0.7,
     max_new_tokens: int = 4096,
+    answers: AnswerOptions | None = None,
 ) -> dict:
     """AgentWrite samples for the writing prompts in ``prompts`` into ``output_dir``; returns its report.
 
@@ -183,9 +186,11 @@ def generate(
     templates = load_templates(AGENTWRITE_TEMPLATES, templates_dir)
     jobs = read_prompts(prompts, seed=seed)
     settings = Settings(templates, client.settings.model, temperature, max_new_tokens, max_steps)
-    with generation_stage(output_dir, command="data agentwrite", inputs=[prompts], client=client) as run:
+    with generation_stage(
+        output_dir, command="data agentwrite", inputs=[prompts], client=client, answers=answers
+    ) as run:
         results = run.make_all(
-            jobs, partial(make_sample, call=run.calls, settings=settings), progress="agentwrite"
+            jobs, partial(make_sample, calls=run.calls, settings=settings), progress="agentwrite"
         )
         return run.finish(
             results,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from longalign.answers import FILE, BatchFileWritten, add_answer_arguments, answer_options
 from longalign.arguments import at_least
 from longalign.datagen.prompts import SHIPPED
 from longalign.serving import ChatClient, add_server_arguments, server_settings
@@ -17,9 +18,12 @@ JSONL that pre-tokenize and train read as they are.
     longalign data agentwrite --prompts writing.jsonl --output out/write \\
         --base-url http://127.0.0.1:8000/v1 --served-model Qwen2.5-72B-Instruct
 
-Both write OUTPUT/data.jsonl ({"messages": [...], "meta": {...}} per sample) and OUTPUT/report.json, and
-keep every finished call in .OUTPUT.cache.jsonl next to it until OUTPUT is written: run the same command
-again after a crash or Ctrl-C and nothing already answered is asked again."""
+Both write OUTPUT/data.jsonl ({"messages": [...], "meta": {...}} per sample), OUTPUT/report.json and
+OUTPUT/calls.jsonl (every answer paid for; .OUTPUT.calls.jsonl next to it while the run is in progress).
+Run again into the same OUTPUT (after a crash, a kill -9, failed calls, or with more documents, --per-doc
+or --turns) and only the requests without an answer are asked; --fresh asks everything. --batch sends the
+requests of each round through the server's batch API; --batch-file-only writes them as a file for
+vllm run-batch, and --batch-results FILE reads its results back."""
 
 SELF_INSTRUCT = """\
 Self-instruct over long documents: for each sample, one call asks the model for an instruction of a task
@@ -70,7 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             default=4096,
             help="longest reply of one call (default 4096)",
         )
-        add_server_arguments(sub)
+        add_server_arguments(sub, required=False)
+        add_answer_arguments(sub)
 
 
 def _self_instruct_arguments(parser: argparse.ArgumentParser) -> None:
@@ -107,52 +112,69 @@ def _agentwrite_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``longalign data TASK`` and print where the samples went."""
+    """Run ``longalign data TASK`` and print where the samples went (or the batch input file written)."""
     from longalign.datagen import agentwrite, self_instruct
 
-    client = ChatClient(server_settings(args))
+    answers = answer_options(args)
+    client = ChatClient(server_settings(args, url_needed=answers.mode != FILE))
     common = {
         "client": client,
         "seed": args.seed,
         "temperature": args.temperature,
         "max_new_tokens": args.max_new_tokens,
+        "answers": answers,
     }
-    if args.task == "self-instruct":
-        from longalign.chat_template import open_tokenizer
+    try:
+        if args.task == "self-instruct":
+            from longalign.chat_template import open_tokenizer
 
-        report = self_instruct.generate(
-            args.docs,
-            args.output,
-            tokenizer=open_tokenizer(args.tokenizer, trust_remote_code=args.trust_remote_code),
-            min_tokens=args.min_tokens,
-            max_tokens=args.max_tokens,
-            tasks=args.tasks,
-            per_doc=args.per_doc,
-            turns=args.turns,
-            prompts_dir=args.prompts,
-            **common,
-        )
-    else:
-        report = agentwrite.generate(
-            args.prompts, args.output, templates_dir=args.templates, max_steps=args.max_steps, **common
-        )
+            report = self_instruct.generate(
+                args.docs,
+                args.output,
+                tokenizer=open_tokenizer(args.tokenizer, trust_remote_code=args.trust_remote_code),
+                min_tokens=args.min_tokens,
+                max_tokens=args.max_tokens,
+                tasks=args.tasks,
+                per_doc=args.per_doc,
+                turns=args.turns,
+                prompts_dir=args.prompts,
+                **common,
+            )
+        else:
+            report = agentwrite.generate(
+                args.prompts, args.output, templates_dir=args.templates, max_steps=args.max_steps, **common
+            )
+    except BatchFileWritten as written:
+        print(written.instructions())
+        return 0
     print(summary(report, args.output))
     return 0
 
 
 def summary(report: dict, output: str) -> str:
-    """The lines a run prints: samples made and dropped, calls, tokens, time."""
-    samples, calls, tokens = report["samples"], report["calls"], report["tokens"]
+    """The lines a run prints: samples made and dropped, calls, answers reused, batches, tokens, time."""
+    samples, calls, tokens, batch = report["samples"], report["calls"], report["tokens"], report["batch"]
     dropped = ", ".join(f"{n} {reason}" for reason, n in samples["dropped"].items()) or "none"
-    per_sample = report["seconds_per_sample"]
+    limited = (
+        f", {calls['rate_limited']} rate-limited ({calls['rate_limit_wait_seconds']:.1f} s waited, "
+        f"concurrency down to {calls['lowest_concurrency']})"
+        if calls["rate_limited"]
+        else ""
+    )
     lines = [
         f"wrote {output}/data.jsonl: {samples['made']} of {samples['planned']} samples (dropped: {dropped})",
-        f"calls: {calls['made']} made ({calls['failed']} failed, {calls['retried']} retried), "
-        f"{calls['from_cache']} answered from the cache",
+        f"calls: {calls['made']} made ({calls['failed']} failed, {calls['retried']} retried{limited}), "
+        f"{calls['reused']} answers reused ({tokens['reused_prompt'] + tokens['reused_completion']} tokens saved)",
         f"tokens: {tokens['prompt']} prompt + {tokens['completion']} completion, as the server reported",
-        f"time: {report['wall_seconds']:.1f} s"
-        + (f", {per_sample:.2f} s per sample" if per_sample is not None else ""),
+        f"time: {report['wall_seconds']:.1f} s, {report['seconds_per_sample']:.2f} s per sample",
     ]
+    if batch is not None:
+        lines.insert(
+            2,
+            f"batches: {batch['submitted']} submitted, {batch['picked_up']} picked up again, "
+            f"{batch['files_written']} files written; {batch['requests']} requests, {batch['answered']} "
+            f"answered, {batch['failed']} failed",
+        )
     if "documents" in report:
         documents = report["documents"]
         skipped = ", ".join(f"{n} {reason}" for reason, n in documents["skipped"].items()) or "none"

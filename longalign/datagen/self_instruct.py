@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 
-from longalign.datagen.calls import CachedCalls
+from longalign.answers import AnswerOptions, StoredCalls
 from longalign.datagen.documents import Skipped, fit_document, read_documents
 from longalign.datagen.prompts import (
     SELF_INSTRUCT_TEMPLATES,
@@ -70,7 +70,8 @@ def plan_jobs(
     """``per_doc`` jobs for each ``(name, text, tokens, cut)`` document, task types drawn from ``seed``.
 
     Each document's samples go through the task types in a shuffled order (so ``per_doc`` >= the number
-    of types covers every type); follow-up turns draw their type at random.
+    of types covers every type); follow-up turns draw their type at random, from a draw of each sample's
+    own, so that a sample's first turns are the same with more ``per_doc`` or ``turns`` (and so are its calls).
 
         plan_jobs([("a.md", "...", 900, False)], ["summary", "multi_hop"], per_doc=2, turns=1, seed=0)
         -> [Job(document='a.md', number=0, tasks=('multi_hop',), ...), Job(..., number=1, tasks=('summary',))]
@@ -81,12 +82,13 @@ def plan_jobs(
         order = list(tasks)
         rng.shuffle(order)
         for number in range(per_doc):
-            turn_tasks = (order[number % len(order)], *(rng.choice(tasks) for _ in range(turns - 1)))
+            follow_ups = random.Random(f"{seed}/{name}/{number}")
+            turn_tasks = (order[number % len(order)], *(follow_ups.choice(tasks) for _ in range(turns - 1)))
             jobs.append(Job(name, text, tokens, cut, number, turn_tasks, sample_seed(seed, name, number)))
     return jobs
 
 
-def make_sample(job: Job, *, call: CachedCalls, settings: Settings) -> Result:
+def make_sample(job: Job, *, calls: StoredCalls, settings: Settings) -> Result:
     """The chat for ``job`` (every turn asked for and answered), or why it could not be made."""
     templates = settings.templates
     messages: list[dict[str, str]] = []
@@ -99,14 +101,14 @@ def make_sample(job: Job, *, call: CachedCalls, settings: Settings) -> Result:
             ask = render(templates["instruction"], **values)
         else:
             ask = render(templates["follow_up"], **values, conversation=_conversation(instructions, messages))
-        reply = call([{"role": "user", "content": ask}], **_sampling(settings, seed))
+        reply = calls.complete([{"role": "user", "content": ask}], **_sampling(settings, seed))
         if (dropped := unusable(reply, what=f"turn {turn + 1} instruction", source=source)) is not None:
             return dropped
         asked = reply.text.strip()
         instructions.append(asked)
         user = render(templates["user_turn"], document=job.text, instruction=asked) if turn == 0 else asked
         messages.append({"role": "user", "content": user})
-        reply = call(messages, **_sampling(settings, seed + 1))
+        reply = calls.complete(messages, **_sampling(settings, seed + 1))
         if (dropped := unusable(reply, what=f"turn {turn + 1} answer", source=source)) is not None:
             return dropped
         messages.append({"role": "assistant", "content": reply.text.strip()})
@@ -150,6 +152,7 @@ def generate(
     prompts_dir: str | os.PathLike | None = None,
     temperature: float = 0.7,
     max_new_tokens: int = 4096,
+    answers: AnswerOptions | None = None,
 ) -> dict:
     """Self-instruct samples from the documents at ``docs`` into ``output_dir``; returns its report.
 
@@ -193,9 +196,11 @@ def generate(
         )
     jobs = plan_jobs(fitted, list(chosen), per_doc=per_doc, turns=turns, seed=seed)
     settings = Settings(templates, chosen, client.settings.model, temperature, max_new_tokens)
-    with generation_stage(output_dir, command="data self-instruct", inputs=[docs], client=client) as run:
+    with generation_stage(
+        output_dir, command="data self-instruct", inputs=[docs], client=client, answers=answers
+    ) as run:
         results = run.make_all(
-            jobs, partial(make_sample, call=run.calls, settings=settings), progress="self-instruct"
+            jobs, partial(make_sample, calls=run.calls, settings=settings), progress="self-instruct"
         )
         made = Counter(r["meta"]["task"] for r in results if isinstance(r, dict))
         return run.finish(

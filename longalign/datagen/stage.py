@@ -4,12 +4,15 @@
         results = run.make_all(jobs, make_sample, progress="self-instruct")   # one result per job, in order
         run.finish(results, report={"documents": {...}})
     # out/gen/data.jsonl     {"messages": [...], "meta": {...}} per sample, in job order
-    # out/gen/report.json    samples made and dropped by reason, calls, tokens, wall time
-    # out/.gen.cache.jsonl   every finished call until out/gen is written, then removed
+    # out/gen/report.json    samples made and dropped by reason, calls, rate limits, answers reused, time
+    # out/gen/calls.jsonl    every answer paid for (longalign.answers), read first by the next run into out/gen
+    # out/.gen.calls.jsonl   the work file while the run is in progress, removed once out/gen is written
 
 Each job (a sample) runs its calls one after the other; ``concurrency`` jobs run at once. A sample's
-content depends only on its own calls, so the file is the same whatever the concurrency or the order in
-which calls finish, and the same after a restart that takes earlier answers from the cache.
+content depends only on its own calls, so the file is the same whatever the concurrency, the order in
+which calls finish, or how many of its answers were stored by earlier runs. In the batch modes a job stops
+at its first unanswered call; that round's calls go out as one batch, and the jobs run again from the
+start, their answers now stored, until none waits.
 """
 
 from __future__ import annotations
@@ -20,17 +23,16 @@ import os
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tqdm import tqdm
-
+from longalign.answers import AnswerOptions, AnswerStore, Pending, StoredCalls
 from longalign.artifacts import check_output, stage_output, write_report
-from longalign.datagen.calls import CachedCalls, CallCache, cache_path
-from longalign.serving import CallFailure, ChatClient, Completion
+from longalign.errors import InputError
+from longalign.serving import CallFailure, ChatClient, Completion, in_parallel
 
 DATA_NAME = "data.jsonl"
 Job = TypeVar("Job")
@@ -73,11 +75,10 @@ def sample_seed(*parts: object) -> int:
 
 
 class GenerationRun:
-    """One generator run: its cached calls, its staging directory and its clock."""
+    """One generator run: its stored calls, its staging directory and its clock."""
 
-    def __init__(self, *, command: str, client: ChatClient, calls: CachedCalls, staging: Path) -> None:
+    def __init__(self, *, command: str, calls: StoredCalls, staging: Path) -> None:
         self.command = command
-        self.client = client
         self.calls = calls
         self.staging = staging
         self.started = time.monotonic()
@@ -86,78 +87,83 @@ class GenerationRun:
         """``make(job)`` for every job, ``concurrency`` at a time; results in job order.
 
         An exception in one job (a ``ServerError``: the server cannot be used) stops the others before
-        their next call and is raised; the calls finished so far stay in the cache.
+        their next call and is raised; the answers so far stay in the work file. In the batch modes the
+        jobs run in rounds until no call waits for an answer (file mode stops at the first round it writes).
         """
-        results: list[Result | None] = [None] * len(jobs)
-        with (
-            ThreadPoolExecutor(max_workers=self.client.settings.concurrency) as pool,
-            tqdm(total=len(jobs), desc=progress, unit="sample") as bar,
-        ):
-            futures = {pool.submit(make, job): i for i, job in enumerate(jobs)}
-            try:
-                for future in as_completed(futures):
-                    results[futures[future]] = future.result()
-                    bar.update()
-            except BaseException:
-                self.calls.stop()  # jobs already running end before their next call
-                pool.shutdown(wait=False, cancel_futures=True)
-                raise
-        return results
+        rounds = 0
+        while True:
+            results = in_parallel(
+                partial(_until_pending, make),
+                jobs,
+                workers=self.calls.settings.concurrency,
+                progress=progress if rounds == 0 else f"{progress} (after batch {rounds})",
+                unit="sample",
+                on_error=self.calls.stop,
+            )
+            if not self.calls.pending:
+                return results
+            rounds += 1
+            self.calls.answer_pending(progress=f"{progress} round {rounds}")
 
     def finish(self, results: Sequence[Result], report: dict[str, Any]) -> dict[str, Any]:
-        """Write ``data.jsonl`` and ``report.json`` (``report`` plus samples, calls, tokens, time) into the staging."""
+        """Write ``data.jsonl``, ``calls.jsonl`` and ``report.json`` (``report`` plus samples, calls, time) into the staging.
+
+        Raises ``InputError`` when no sample was made: the output is not replaced (the answers stay kept).
+        """
         samples = [r for r in results if not isinstance(r, Dropped)]
         dropped = [r for r in results if isinstance(r, Dropped)]
+        counts = dict(sorted(Counter(d.reason for d in dropped).items()))
+        if not samples:
+            reasons = ", ".join(f"{n} {reason}" for reason, n in counts.items())
+            first = f"; the first: {dropped[0].detail}" if dropped else ""
+            raise InputError(
+                f"{self.calls.store.output}: no sample made ({len(results)} planned, dropped: {reasons}{first}); "
+                f"left as it was, the {len(self.calls.store)} answers paid for kept for the next run"
+            )
         with open(self.staging / DATA_NAME, "w", encoding="utf-8") as f:
             for sample in samples:
                 f.write(json.dumps(sample, ensure_ascii=False) + "\n")
-        stats = self.client.stats
+        self.calls.store.write(self.staging)
         wall = time.monotonic() - self.started
         full = {
             "command": f"longalign {self.command}",
-            "server": self.client.settings.record(),
+            "server": self.calls.settings.record(),
             **report,
-            "samples": {
-                "planned": len(results),
-                "made": len(samples),
-                "dropped": dict(sorted(Counter(d.reason for d in dropped).items())),
-            },
+            "samples": {"planned": len(results), "made": len(samples), "dropped": counts},
             "dropped_samples": [asdict(d) for d in dropped],
-            "calls": {
-                "made": stats.calls,
-                "succeeded": stats.succeeded,
-                "failed": stats.failed,
-                "retried": stats.retried,
-                "from_cache": self.calls.counts.hits,
-            },
-            "tokens": {
-                "prompt": stats.prompt_tokens,
-                "completion": stats.completion_tokens,
-                "from_cache_prompt": self.calls.counts.prompt_tokens,
-                "from_cache_completion": self.calls.counts.completion_tokens,
-            },
+            **self.calls.report(),
             "wall_seconds": round(wall, 3),
-            "seconds_per_sample": round(wall / len(samples), 4) if samples else None,
+            "seconds_per_sample": round(wall / len(samples), 4),
         }
         write_report(self.staging, full)
         return full
 
 
+def _until_pending(make: Callable[[Job], Result], job: Job) -> Result | None:
+    """``make(job)``, or None when one of its calls waits for a batch round."""
+    try:
+        return make(job)
+    except Pending:
+        return None
+
+
 @contextmanager
 def generation_stage(
-    output_dir: str | os.PathLike, *, command: str, inputs: Sequence[str | os.PathLike], client: ChatClient
+    output_dir: str | os.PathLike,
+    *,
+    command: str,
+    inputs: Sequence[str | os.PathLike],
+    client: ChatClient,
+    answers: AnswerOptions | None = None,
 ) -> Iterator[GenerationRun]:
-    """A ``GenerationRun`` writing into the staging directory of ``output_dir``; the cache goes when it is written.
+    """A ``GenerationRun`` writing into the staging directory of ``output_dir``, its calls through the answer store.
 
-    The output is checked before any call (``check_output``): it may not be or contain an input.
+    The output is checked before any call (``check_output``): it may not be or contain an input. The work
+    file goes once the output (with its ``calls.jsonl``) is in place.
     """
+    answers = answers or AnswerOptions()
     check_output(output_dir, inputs=inputs)
-    cache = CallCache(cache_path(Path(output_dir).resolve()))
-    try:
-        with stage_output(output_dir, stage=command, inputs=inputs) as staging:
-            yield GenerationRun(
-                command=command, client=client, calls=CachedCalls(client, cache), staging=staging
-            )
-    finally:
-        cache.close()
-    cache.remove()
+    store = AnswerStore(output_dir, fresh=answers.fresh)
+    with stage_output(output_dir, stage=command, inputs=inputs) as staging:
+        yield GenerationRun(command=command, calls=StoredCalls(store, client, answers), staging=staging)
+    store.discard_work()

@@ -130,7 +130,7 @@ def chat_row(case: ChatCase, prompt: Prompt, reply: Reply, rating: Rating | None
     """The ``results.jsonl`` row of one case."""
     row = {
         "idx": case.idx,
-        "prompt_tokens": len(prompt.input_ids),
+        "prompt_tokens": len(prompt.input_ids) if prompt.input_ids is not None else None,
         "query": case.query,
         "output": reply.text,
         "judge_output": rating.judge_output if rating else None,

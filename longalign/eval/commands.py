@@ -3,11 +3,13 @@
     longalign eval needle --model out/run --lengths 1000,2000,4000 --output out/eval/needle
     longalign eval needle --model out/run --lengths 1000,2000,4000 --score logprob --output out/eval/needle-lp
     longalign eval chat --model out/run --data longbench_chat.jsonl --judge-base-url URL --judge-model M --output DIR
-    longalign eval write --backend openai --base-url URL --served-model M --tokenizer out/run --data w.jsonl ...
+    longalign eval write --backend openai --base-url URL --served-model M --data w.jsonl ...   # no tokenizer needed
     accelerate launch -m longalign eval needle --model out/run ...      # prompts shared out; rank 0 writes
 
 Every task writes ``results.jsonl``, ``summary.json`` and ``run_config.json`` (every setting; the API
-key's variable named, never the key) into ``--output`` by the rules of every stage's output.
+key's variable named, never the key) into ``--output`` by the rules of every stage's output. A task that
+asks a server (``--backend openai``, a judge) also writes ``calls.jsonl`` (every answer paid for, read
+first by the next run into the same output; ``longalign.answers``) and ``report.json`` (its calls).
 """
 
 from __future__ import annotations
@@ -20,13 +22,22 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from longalign.answers import (
+    FILE,
+    AnswerStore,
+    BatchFileWritten,
+    StoredCalls,
+    add_answer_arguments,
+    answer_options,
+)
 from longalign.arguments import at_least
 from longalign.errors import ConfigError
 from longalign.redact import redact_text
 from longalign.serving import ChatClient, ServerSettings, add_server_arguments, server_settings
 
 if TYPE_CHECKING:
-    from longalign.eval.models import Generator
+    from longalign.eval.judge import Judge
+    from longalign.eval.models import Generator, Prompt
 
 DEPTHS = "0,10,20,30,40,50,60,70,80,90,100"
 JUDGE_KEY_ENV = "JUDGE_API_KEY"  # the judge's key; OPENAI_API_KEY when this one is unset
@@ -57,8 +68,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the chosen task; the exit status."""
-    return RUNNERS[args.task](args)
+    """Run the chosen task; the exit status (0 too when a batch input file was written for an offline runner)."""
+    try:
+        return RUNNERS[args.task](args)
+    except BatchFileWritten as written:
+        print(written.instructions())
+        return 0
 
 
 def _model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,7 +92,9 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
         help="transformers: load --model here; openai: an OpenAI-compatible server (--base-url, --served-model)",
     )
     group.add_argument(
-        "--tokenizer", help="measures lengths and renders the chat template (default: --model's own)"
+        "--tokenizer",
+        help="measures lengths and renders the chat template (default: --model's own; with --backend openai "
+        "only needle and chat's --max-length need one)",
     )
     group.add_argument("--chat-template", type=Path, help="Jinja file that replaces the tokenizer's template")
     group.add_argument(
@@ -94,6 +111,7 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--trust-remote-code", action="store_true")
     group.add_argument("--output", required=True, help="output directory (replaced atomically)")
     add_server_arguments(parser, required=False)
+    add_answer_arguments(parser)
 
 
 def _needle_arguments(parser: argparse.ArgumentParser) -> None:
@@ -164,26 +182,42 @@ def _judge_arguments(parser: argparse.ArgumentParser, *, required: bool) -> None
 
 
 class Session:
-    """What every task resolves from the model flags: the tokenizer, the generator, the device, a record."""
+    """What every task resolves from the model flags: the tokenizer, the generator, the judge, the answer store.
 
-    def __init__(self, args: argparse.Namespace, *, default_new_tokens: int) -> None:
+    ``needs_tokenizer`` says why the task needs a tokenizer with ``--backend openai`` (None: it does not);
+    without one, ``tokenizer`` is None and prompts are text (``models.text_prompt``). Served models and
+    judges answer through one ``AnswerStore`` of ``--output``, written with the outputs
+    (``write_outputs``); local generation needs none.
+    """
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        *,
+        default_new_tokens: int,
+        needs_tokenizer: str | None = "it measures the prompts' lengths",
+    ) -> None:
         from longalign.eval.models import default_tokenizer, eval_tokenizer
 
         self.args = args
         self.max_new_tokens = args.max_new_tokens or default_new_tokens
+        self.answers = answer_options(args)
         self.settings: ServerSettings | None = None
+        self._store: AnswerStore | None = None
+        self._calls: dict[str, StoredCalls] = {}  # "model", "judge"
         if args.backend == "openai":
-            self.settings = server_settings(args)
-            if not args.tokenizer:
-                raise ConfigError(
-                    "--tokenizer: needed with --backend openai (it measures the prompts' lengths)"
-                )
+            self.settings = server_settings(args, url_needed=self.answers.mode != FILE)
+            if not args.tokenizer and needs_tokenizer:
+                raise ConfigError(f"--tokenizer: needed with --backend openai ({needs_tokenizer})")
         elif not args.model:
             raise ConfigError("--model: missing; name a run's output, a checkpoint or an adapter directory")
-        name = args.tokenizer or default_tokenizer(args.model)
-        self.tokenizer = eval_tokenizer(
-            name, chat_template=args.chat_template, trust_remote_code=args.trust_remote_code
-        )
+        self.tokenizer = None
+        if args.tokenizer or args.backend != "openai":
+            self.tokenizer = eval_tokenizer(
+                args.tokenizer or default_tokenizer(args.model),
+                chat_template=args.chat_template,
+                trust_remote_code=args.trust_remote_code,
+            )
 
     def load_model(self, *, packed: bool = False, attn_backend: str = "auto"):
         """The local model on this rank's device."""
@@ -200,13 +234,20 @@ class Session:
             trust_remote_code=self.args.trust_remote_code,
         )
 
+    def served(self, settings: ServerSettings, *, role: str) -> StoredCalls:
+        """The calls to a served model (``role`` "model" or "judge"), answered through ``--output``'s store."""
+        if self._store is None:
+            self._store = AnswerStore(self.args.output, fresh=self.answers.fresh)
+        self._calls[role] = StoredCalls(self._store, ChatClient(settings), self.answers)
+        return self._calls[role]
+
     def generator(self, lengths: Sequence[int]) -> Generator:
         """The local or served generator, after checking that the prompts fit the local model."""
         from longalign.eval.models import LocalGenerator, ServedGenerator, check_fits, context_limit
 
         if self.settings is not None:
             return ServedGenerator(
-                ChatClient(self.settings),
+                self.served(self.settings, role="model"),
                 max_new_tokens=self.max_new_tokens,
                 temperature=self.args.temperature,
                 seed=self.args.seed,
@@ -221,6 +262,26 @@ class Session:
             batch_size=self.args.batch_size,
             seed=self.args.seed,
         )
+
+    def judge(self, *, system: str) -> Judge:
+        """The ``Judge`` of the ``--judge-*`` flags; the key from JUDGE_API_KEY, else OPENAI_API_KEY."""
+        from longalign.eval.judge import Judge
+
+        args = self.args
+        if args.judge_api_key_env == JUDGE_KEY_ENV and not os.environ.get(JUDGE_KEY_ENV):
+            args.judge_api_key_env = "OPENAI_API_KEY"
+        settings = server_settings(args, prefix="judge-", url_needed=self.answers.mode != FILE)
+        return Judge(self.served(settings, role="judge"), retries=args.judge_retries, system=system)
+
+    def prompts(self, texts: Sequence[str], *, max_length: int | None = None) -> list[Prompt]:
+        """One-turn chats of ``texts``: in token ids (middle cut to ``max_length``) with a tokenizer, else text."""
+        from longalign.eval.chat import middle_cut_prompt
+        from longalign.eval.models import template_frame, text_prompt
+
+        if self.tokenizer is None:
+            return [text_prompt(text) for text in texts]
+        frame = template_frame(self.tokenizer)
+        return [middle_cut_prompt(self.tokenizer, t, max_length=max_length, frame=frame) for t in texts]
 
     def record(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         """``run_config.json``: every flag (URLs without passwords, key variables by name), versions, extras."""
@@ -247,39 +308,53 @@ class Session:
             **(extra or {}),
         }
 
+    def write_outputs(
+        self,
+        inputs: Sequence[Any],
+        rows: Sequence[dict[str, Any]],
+        summary: dict[str, Any],
+        record: dict[str, Any],
+        plot: Callable[[Path], None] | None = None,
+        extra_files: dict[str, str] | None = None,
+    ) -> None:
+        """The task's files into ``--output``, with ``calls.jsonl`` and ``report.json`` when a server answered."""
+        from longalign.artifacts import stage_output, write_report
 
-def _judge(args: argparse.Namespace, *, system: str):
-    """The ``Judge`` of the ``--judge-*`` flags; the key from JUDGE_API_KEY, else OPENAI_API_KEY."""
-    from longalign.eval.judge import Judge
+        args = self.args
+        with stage_output(args.output, stage=f"eval {args.task}", inputs=[i for i in inputs if i]) as staging:
+            with open(staging / "results.jsonl", "w", encoding="utf-8") as out:
+                for row in rows:
+                    out.write(json.dumps(row, ensure_ascii=False) + "\n")
+            (staging / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+            (staging / "run_config.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+            for name, text in (extra_files or {}).items():
+                (staging / name).write_text(text, encoding="utf-8")
+            if plot is not None:
+                plot(staging)
+            if self._store is not None:
+                self._store.write(staging)
+                write_report(staging, {role: _calls_report(calls) for role, calls in self._calls.items()})
+        if self._store is not None:
+            self._store.discard_work()
+            for role, calls in self._calls.items():
+                print(f"{role}: {_calls_line(calls.report())}")
 
-    if args.judge_api_key_env == JUDGE_KEY_ENV and not os.environ.get(JUDGE_KEY_ENV):
-        args.judge_api_key_env = "OPENAI_API_KEY"
-    return Judge(
-        ChatClient(server_settings(args, prefix="judge-")), retries=args.judge_retries, system=system
+
+def _calls_report(calls: StoredCalls) -> dict[str, Any]:
+    return {"server": calls.settings.record(), **calls.report()}
+
+
+def _calls_line(report: dict[str, Any]) -> str:
+    """``12 calls made (0 failed, 0 retried, 0 rate-limited), 38 answers reused (51200 tokens saved)``."""
+    calls, tokens, batch = report["calls"], report["tokens"], report["batch"]
+    line = (
+        f"{calls['made']} calls made ({calls['failed']} failed, {calls['retried']} retried, "
+        f"{calls['rate_limited']} rate-limited), {calls['reused']} answers reused "
+        f"({tokens['reused_prompt'] + tokens['reused_completion']} tokens saved)"
     )
-
-
-def _write_outputs(
-    args: argparse.Namespace,
-    inputs: Sequence[Any],
-    rows: Sequence[dict[str, Any]],
-    summary: dict[str, Any],
-    record: dict[str, Any],
-    plot: Callable[[Path], None] | None = None,
-    extra_files: dict[str, str] | None = None,
-) -> None:
-    from longalign.artifacts import stage_output
-
-    with stage_output(args.output, stage=f"eval {args.task}", inputs=[i for i in inputs if i]) as staging:
-        with open(staging / "results.jsonl", "w", encoding="utf-8") as out:
-            for row in rows:
-                out.write(json.dumps(row, ensure_ascii=False) + "\n")
-        (staging / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-        (staging / "run_config.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-        for name, text in (extra_files or {}).items():
-            (staging / name).write_text(text, encoding="utf-8")
-        if plot is not None:
-            plot(staging)
+    if batch is not None:
+        line += f"; batches: {batch['submitted']} submitted, {batch['requests']} requests"
+    return line
 
 
 def _check_output(args: argparse.Namespace, *, inputs: Sequence[str]) -> None:
@@ -330,7 +405,7 @@ def _run_needle(args: argparse.Namespace) -> int:
     if logprob and args.backend == "openai":
         raise ConfigError("--score logprob: needs the model's weights (--backend transformers)")
     _check_output(args, inputs=_local_inputs(args, args.haystack))
-    session = Session(args, default_new_tokens=32)
+    session = Session(args, default_new_tokens=32, needs_tokenizer="it builds prompts of exact token lengths")
     pool = nd.haystack_pool(session.tokenizer, args.haystack, seed=args.seed, tokens=max(lengths))
     cases = nd.build_cases(
         session.tokenizer,
@@ -371,8 +446,7 @@ def _run_needle(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - started
     summary = {**nd.summary(rows), "score": args.score, "seconds": round(seconds, 3)}
     title = f"{args.model or args.served_model} ({args.score})"
-    _write_outputs(
-        args,
+    session.write_outputs(
         _local_inputs(args, args.haystack),
         rows,
         summary,
@@ -392,20 +466,16 @@ def _run_needle(args: argparse.Namespace) -> int:
 def _run_chat(args: argparse.Namespace) -> int:
     from longalign.eval import chat
     from longalign.eval.judge import JUDGE_SYSTEM, JudgeCase
-    from longalign.eval.models import template_frame
     from longalign.eval.ranks import across_ranks
 
     cases = chat.read_chat_cases(args.data)
     examples = chat.read_examples(args.few_shots, cases) if args.few_shots else None
     _check_output(args, inputs=_local_inputs(args, args.data, args.few_shots))
-    judge = _judge(args, system=JUDGE_SYSTEM)
-    session = Session(args, default_new_tokens=1024)
-    frame = template_frame(session.tokenizer)
-    prompts = [
-        chat.middle_cut_prompt(session.tokenizer, c.prompt, max_length=args.max_length, frame=frame)
-        for c in cases
-    ]
-    generator = session.generator([len(p.input_ids) for p in prompts])
+    cut = None if args.max_length is None else "--max-length cuts the prompts' middle in tokens"
+    session = Session(args, default_new_tokens=1024, needs_tokenizer=cut)
+    judge = session.judge(system=JUDGE_SYSTEM)
+    prompts = session.prompts([c.prompt for c in cases], max_length=args.max_length)
+    generator = session.generator(_lengths(prompts))
     replies = across_ranks(prompts, lambda mine: generator.generate(mine, progress="chat"))
     if replies is None:
         return 0
@@ -425,11 +495,16 @@ def _run_chat(args: argparse.Namespace) -> int:
     ]
     summary = chat.chat_summary(rows)
     record = session.record({"judge": judge.client.settings.record()})
-    _write_outputs(args, _local_inputs(args, args.data, args.few_shots), rows, summary, record)
+    session.write_outputs(_local_inputs(args, args.data, args.few_shots), rows, summary, record)
     mean = "n/a" if summary["mean"] is None else f"{summary['mean']:.2f}"
     print(f"chat: mean rating {mean} over {summary['rated']} of {summary['n']} cases "
          f"({summary['unrated']} unrated); wrote {args.output}")  # fmt: skip
     return 0
+
+
+def _lengths(prompts: Sequence[Prompt]) -> list[int]:
+    """The prompts' lengths in tokens, for a local model's limit; none for text prompts (a server measures)."""
+    return [len(p.input_ids) for p in prompts if p.input_ids is not None]
 
 
 # --- write -------------------------------------------------------------------------------------------------
@@ -437,19 +512,16 @@ def _run_chat(args: argparse.Namespace) -> int:
 
 def _run_write(args: argparse.Namespace) -> int:
     from longalign.eval import write
-    from longalign.eval.chat import middle_cut_prompt
     from longalign.eval.judge import QUALITY_SYSTEM, JudgeCase
-    from longalign.eval.models import template_frame
     from longalign.eval.ranks import across_ranks
 
     cases = write.read_write_cases(args.data)
     _check_output(args, inputs=_local_inputs(args, args.data))
     judged = bool(args.judge_base_url or args.judge_model)
-    judge = _judge(args, system=QUALITY_SYSTEM) if judged else None
-    session = Session(args, default_new_tokens=8192)
-    frame = template_frame(session.tokenizer)
-    prompts = [middle_cut_prompt(session.tokenizer, c.prompt, max_length=None, frame=frame) for c in cases]
-    generator = session.generator([len(p.input_ids) for p in prompts])
+    session = Session(args, default_new_tokens=8192, needs_tokenizer=None)
+    judge = session.judge(system=QUALITY_SYSTEM) if judged else None
+    prompts = session.prompts([c.prompt for c in cases])
+    generator = session.generator(_lengths(prompts))
     replies = across_ranks(prompts, lambda mine: generator.generate(mine, progress="write"))
     if replies is None:
         return 0
@@ -467,8 +539,7 @@ def _run_write(args: argparse.Namespace) -> int:
     summary = write.write_summary(rows, judged=judged)
     record = session.record({"judge": judge.client.settings.record() if judge else None})
     title = f"{args.model or args.served_model}: length score {summary['length_score'] or 0:.1f}"
-    _write_outputs(
-        args,
+    session.write_outputs(
         _local_inputs(args, args.data),
         rows,
         summary,

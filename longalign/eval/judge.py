@@ -4,9 +4,10 @@
     judge.rate([JudgeCase(question="Who wrote it?", reference="Ada", answer="It was Ada.")])
     -> [Rating(rating=9.0, judge_output='The answer names Ada, as the reference does. Rating: [[9]]', tries=1)]
 
-A reply without a rating is asked for again (``retries`` times), then left unrated (``rating`` None):
-an unrated case is counted, never turned into a number. A call that fails after the client's own
-retries is unrated too, with its error kept.
+A reply without a rating is asked for again (``retries`` times, with ``seed`` 1, 2, ...: each a request of
+its own, so that a kept answer is not given back for it), then left unrated (``rating`` None): an
+unrated case is counted, never turned into a number. A call that fails after the client's own retries is
+unrated too, with its error kept.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from longalign.answers import StoredCalls
 from longalign.serving import CallFailure, ChatClient
 
 RATING = re.compile(r"\[\[\s*(\d+(?:\.\d+)?)\s*\]\]")
@@ -101,7 +103,12 @@ class Judge:
     """Rates cases through a chat client, retrying replies that hold no rating."""
 
     def __init__(
-        self, client: ChatClient, *, retries: int = 2, max_tokens: int = 1024, system: str = JUDGE_SYSTEM
+        self,
+        client: ChatClient | StoredCalls,
+        *,
+        retries: int = 2,
+        max_tokens: int = 1024,
+        system: str = JUDGE_SYSTEM,
     ) -> None:
         self.client = client
         self.retries = retries
@@ -129,7 +136,8 @@ class Judge:
         ratings: list[Rating | None] = [None] * len(cases)
         pending = list(range(len(cases)))
         for attempt in range(self.retries + 1):
-            replies = self.client.complete_many([requests[i] for i in pending], progress=progress)
+            again = {"seed": attempt} if attempt else {}
+            replies = self.client.complete_many([requests[i] | again for i in pending], progress=progress)
             still = []
             for i, reply in zip(pending, replies, strict=True):
                 text = reply.error if isinstance(reply, CallFailure) else reply.text

@@ -25,6 +25,7 @@ import torch
 from tqdm import tqdm
 
 from longalign import checkpoints
+from longalign.answers import StoredCalls
 from longalign.chat_template import open_tokenizer
 from longalign.errors import ConfigError, LongAlignError, ModelError, PathError
 from longalign.serving import CallFailure, ChatClient
@@ -36,7 +37,7 @@ _SLOT = "\u2063LONGALIGN-EVAL-CONTENT\u2063"  # stands for the user's text while
 class Prompt:
     """One model input: the rendered chat in token ids, and the same chat as messages for a server."""
 
-    input_ids: list[int]  # chat template applied, generation prompt included
+    input_ids: list[int] | None  # chat template applied, generation prompt included; None: text only
     messages: list[dict[str, str]]  # [{"role": "user", "content": ...}] for an OpenAI-compatible server
 
 
@@ -89,6 +90,14 @@ def chat_prompt(
     before, after = frame or template_frame(tokenizer)
     content = tokenizer.decode(list(content_ids))
     return Prompt(input_ids=[*before, *content_ids, *after], messages=[{"role": "user", "content": content}])
+
+
+def text_prompt(text: str) -> Prompt:
+    """A one-turn chat for a server, which applies its own template: no tokenizer here, so no token ids.
+
+    text_prompt("Write a poem.") -> Prompt(input_ids=None, messages=[{'role': 'user', 'content': 'Write a poem.'}])
+    """
+    return Prompt(input_ids=None, messages=[{"role": "user", "content": text}])
 
 
 def _is_adapter(path: Path) -> bool:
@@ -269,12 +278,18 @@ class LocalGenerator:
 class ServedGenerator:
     """Replies from an OpenAI-compatible server: ``Prompt.messages`` sent ``concurrency`` at a time.
 
-    A request that fails after its retries (a 429/5xx that lasts, a prompt the server refuses as too long)
+    ``client`` is a ``ChatClient`` or the ``StoredCalls`` over one (answers kept in the output, asked once).
+    A request that fails after its retries (a 5xx that lasts, a prompt the server refuses as too long)
     is a ``Reply`` with ``error`` set; the other prompts go on.
     """
 
     def __init__(
-        self, client: ChatClient, *, max_new_tokens: int = 128, temperature: float = 0.0, seed: int = 0
+        self,
+        client: ChatClient | StoredCalls,
+        *,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        seed: int = 0,
     ) -> None:
         self.client = client
         self.max_new_tokens = max_new_tokens
