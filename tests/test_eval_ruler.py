@@ -11,8 +11,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import TOKENIZER, tiny_model
+from conftest import TOKENIZER, assert_packed_scoring_is_exact, save_tiny_model
 from openai_stub import OpenAIStub
 from templates import CHATML, with_template
 from transformers import AutoTokenizer
@@ -530,41 +529,17 @@ def test_a_reference_counts_when_each_of_its_tokens_is_the_most_likely(tokenizer
     assert (row["score"], row["logprob"]) == (75.0, -1.5)
 
 
-def _reference_logprobs(model, sequences):
-    """Each sequence alone through the unpatched model, full logits."""
-    out = []
-    for prompt, answer in sequences:
-        logits = model(input_ids=torch.tensor([prompt + answer])).logits[0]
-        logprobs = torch.log_softmax(logits[len(prompt) - 1 : -1], -1)
-        out.append(float(logprobs.gather(1, torch.tensor(answer)[:, None]).mean()))
-    return out
-
-
 def test_packed_scoring_equals_one_prompt_at_a_time_and_the_plain_model(tokenizer, qa_data):
     tasks = ruler.select_tasks(None, hotpot=qa_data["hotpot"], logprob=True)
     cases = build(tokenizer, qa_data, tasks=tasks, lengths=[520], samples_per_task=1, with_answer_prefix=True)
     sequences = [(c.prompt.input_ids, c.answer_ids) for c in cases]
-    plain = tiny_model("llama", vocab_size=4096, max_position_embeddings=1024).double().eval()
-    with torch.inference_mode():
-        reference = _reference_logprobs(plain, sequences)
-    model = tiny_model(
-        "llama", vocab_size=4096, max_position_embeddings=1024, backend="sdpa_segments"
-    ).double()
-    alone = nd.score_answers(model.eval(), sequences, pack_tokens=1)
-    packed = nd.score_answers(model, sequences, pack_tokens=2000)
     assert len(nd.pack_rows([len(p) + len(a) - 1 for p, a in sequences], 2000)) == 4  # 10 prompts in 4 rows
-    for one, many, ref in zip(alone, packed, reference, strict=True):
-        assert one.logprob == pytest.approx(ref, rel=1e-10)
-        assert many.logprob == pytest.approx(ref, rel=1e-10)
-        assert (one.greedy, one.predicted) == (many.greedy, many.predicted)
+    assert_packed_scoring_is_exact(sequences, pack_tokens=2000)
 
 
 @pytest.fixture(scope="module")
 def saved_model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("model")
-    tiny_model("llama", vocab_size=4096, max_position_embeddings=1024).save_pretrained(path)
-    AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(path)
-    return path
+    return save_tiny_model(tmp_path_factory.mktemp("model"), max_position_embeddings=1024)
 
 
 def test_logprob_scores_from_the_command_line_equal_scoring_the_instances(saved_model, tokenizer, tmp_path):

@@ -320,6 +320,29 @@ def _write_outputs(
             plot(staging)
 
 
+def _teacher_forced(
+    session: Session, cases: Sequence[Any], *, lengths: Sequence[int], row: Callable, progress: str
+) -> Callable[[list], list[dict[str, Any]]]:
+    """The work of ``--score logprob`` on a rank's cases: their answers read in packed rows of the local model.
+
+    ``cases`` carry ``prompt`` and ``answer_ids``; ``row(case, score, tokenizer)`` makes each result row.
+    """
+    from longalign.eval.models import check_fits, context_limit
+    from longalign.eval.needle import score_answers
+
+    args = session.args
+    model = session.load_model(packed=True, attn_backend=args.attn_backend)
+    check_fits([len(c.prompt.input_ids) + len(c.answer_ids) for c in cases], context_limit(model))
+    pack_tokens = args.pack_tokens or max(lengths) + max(len(c.answer_ids) for c in cases)
+
+    def work(mine: list) -> list[dict[str, Any]]:
+        sequences = [(c.prompt.input_ids, c.answer_ids) for c in mine]
+        scores = score_answers(model, sequences, pack_tokens=pack_tokens, progress=progress)
+        return [row(c, s, session.tokenizer) for c, s in zip(mine, scores, strict=True)]
+
+    return work
+
+
 def _check_output(args: argparse.Namespace, *, inputs: Sequence[str]) -> None:
     """Refuse a bad ``--output`` before any work (the same rule holds again when it is written)."""
     from longalign.artifacts import check_output
@@ -382,20 +405,7 @@ def _run_needle(args: argparse.Namespace) -> int:
     )
     started = time.perf_counter()
     if logprob:
-        from longalign.eval.models import check_fits, context_limit
-
-        model = session.load_model(packed=True, attn_backend=args.attn_backend)
-        check_fits([len(c.prompt.input_ids) + len(c.answer_ids) for c in cases], context_limit(model))
-        pack_tokens = args.pack_tokens or max(lengths) + max(len(c.answer_ids) for c in cases)
-
-        def work(mine):
-            scores = nd.score_answers(
-                model,
-                [(c.prompt.input_ids, c.answer_ids) for c in mine],
-                pack_tokens=pack_tokens,
-                progress="needle (rows)",
-            )
-            return [nd.logprob_row(c, s, session.tokenizer) for c, s in zip(mine, scores, strict=True)]
+        work = _teacher_forced(session, cases, lengths=lengths, row=nd.logprob_row, progress="needle (rows)")
     else:
         generator = session.generator([len(c.prompt.input_ids) for c in cases])
 
@@ -428,7 +438,6 @@ def _run_needle(args: argparse.Namespace) -> int:
 
 
 def _run_ruler(args: argparse.Namespace) -> int:
-    from longalign.eval import needle as nd
     from longalign.eval import ruler
     from longalign.eval.ranks import across_ranks
     from longalign.probe import parse_lengths
@@ -459,20 +468,9 @@ def _run_ruler(args: argparse.Namespace) -> int:
     )
     started = time.perf_counter()
     if logprob:
-        from longalign.eval.models import check_fits, context_limit
-
-        model = session.load_model(packed=True, attn_backend=args.attn_backend)
-        check_fits([len(c.prompt.input_ids) + len(c.answer_ids) for c in cases], context_limit(model))
-        pack_tokens = args.pack_tokens or max(lengths) + max(len(c.answer_ids) for c in cases)
-
-        def work(mine):
-            scores = nd.score_answers(
-                model,
-                [(c.prompt.input_ids, c.answer_ids) for c in mine],
-                pack_tokens=pack_tokens,
-                progress="ruler (rows)",
-            )
-            return [ruler.logprob_row(c, s, session.tokenizer) for c, s in zip(mine, scores, strict=True)]
+        work = _teacher_forced(
+            session, cases, lengths=lengths, row=ruler.logprob_row, progress="ruler (rows)"
+        )
     else:
         generator = session.generator([len(c.prompt.input_ids) for c in cases])
 

@@ -45,10 +45,9 @@ NOISE = "The day is long. The road is quiet. The water is calm. Here we are agai
 
 @dataclass(frozen=True)
 class Task:
-    """One task: its family, what it tests, RULER's generation budget, and the family's settings."""
+    """One task: its family, RULER's generation budget, and the family's settings."""
 
     family: str  # niah | vt | cwe | fwe | qa
-    tests: str  # what it tests, in a few words
     new_tokens: int  # RULER's generation budget
     one_order: bool  # its answer has one order: --score logprob can teacher-force it
     haystack: str = ""  # niah: noise (one line repeated), essay (--haystack sentences), needles (distractors)
@@ -61,29 +60,20 @@ class Task:
 
 
 TASKS: dict[str, Task] = {
-    "niah_single_1": Task("niah", "one needle among repeated noise lines", 128, True, haystack="noise"),
-    "niah_single_2": Task("niah", "one needle in essay text", 128, True, haystack="essay"),
-    "niah_single_3": Task("niah", "one needle with a UUID value in essay text", 128, True, haystack="essay",
-                          value="uuids"),
-    "niah_multikey_1": Task("niah", "the asked key's needle among 3 needles of other keys, in essay text", 128,
-                            True, haystack="essay", keys=4),
-    "niah_multikey_2": Task("niah", "one needle in a haystack made of needles of other keys", 128, True,
-                            haystack="needles"),
-    "niah_multikey_3": Task("niah", "one UUID -> UUID needle in a haystack of UUID -> UUID needles", 128, True,
-                            haystack="needles", key="uuids", value="uuids"),
-    "niah_multivalue": Task("niah", "all 4 values of one key, in essay text", 128, False, haystack="essay",
-                            values=4),
-    "niah_multiquery": Task("niah", "the values of 4 keys asked at once, in essay text", 128, True,
-                            haystack="essay", keys=4, queries=4),
-    "vt": Task("vt", "multi-hop tracing: every variable bound to a value through a chain of 4 assignments", 30,
-               True),
-    "cwe": Task("cwe", "aggregation: the 10 most common words of a numbered list", 120, False),
-    "fwe": Task("fwe", "aggregation: the 3 most frequent words of a Zipf-distributed coded text", 50, True),
-    "qa_squad": Task("qa", "SQuAD question: its gold paragraph among distractor paragraphs", 32, False,
-                     source="squad"),
-    "qa_hotpot": Task("qa", "HotpotQA multi-hop question: its paragraphs among distractor paragraphs", 32, True,
-                      source="hotpot"),
-}  # fmt: skip
+    "niah_single_1": Task("niah", 128, True, haystack="noise"),  # one needle among noise lines
+    "niah_single_2": Task("niah", 128, True, haystack="essay"),  # one needle in essay text
+    "niah_single_3": Task("niah", 128, True, haystack="essay", value="uuids"),  # a UUID value
+    "niah_multikey_1": Task("niah", 128, True, haystack="essay", keys=4),  # 3 needles of other keys
+    "niah_multikey_2": Task("niah", 128, True, haystack="needles"),  # a haystack of other keys' needles
+    "niah_multikey_3": Task("niah", 128, True, haystack="needles", key="uuids", value="uuids"),  # of UUIDs
+    "niah_multivalue": Task("niah", 128, False, haystack="essay", values=4),  # all 4 values of one key
+    "niah_multiquery": Task("niah", 128, True, haystack="essay", keys=4, queries=4),  # 4 keys asked at once
+    "vt": Task("vt", 30, True),  # the variables bound to a value through a chain of 4 assignments
+    "cwe": Task("cwe", 120, False),  # the 10 most common words of a numbered list
+    "fwe": Task("fwe", 50, True),  # the 3 most frequent words of a Zipf-distributed coded text
+    "qa_squad": Task("qa", 32, False, source="squad"),  # a SQuAD question, its paragraph among others
+    "qa_hotpot": Task("qa", 32, True, source="hotpot"),  # a HotpotQA question, its paragraphs among others
+}
 
 
 @dataclass(frozen=True)
@@ -256,7 +246,9 @@ def read_squad(path: Path) -> QAData:
             for k, qa in enumerate(_field(paragraph, "qas", where, list)):
                 at = f"{where}.qas[{k}]"
                 text = _field(qa, "question", at, str)
-                answers = [_field(a, "text", f"{at}.answers[{n}]", str).strip() for n, a in enumerate(_field(qa, "answers", at, list))]  # fmt: skip
+                answers = []
+                for n, answer in enumerate(_field(qa, "answers", at, list)):
+                    answers += [_field(answer, "text", f"{at}.answers[{n}]", str).strip()]
                 answers = [a for a in answers if a]
                 if qa.get("is_impossible") or not answers:
                     skipped += 1
@@ -282,14 +274,8 @@ def read_hotpot(path: Path) -> QAData:
             title = str(pair[0])
             paragraphs.append((title, f"{title}\n{''.join(str(s) for s in pair[1])}"))
         facts = {f[0] for f in row.get("supporting_facts") or [] if isinstance(f, list) and f}
-        parsed.append(
-            (
-                _field(row, "question", where, str),
-                _field(row, "answer", where, str).strip(),
-                paragraphs,
-                facts,
-            )
-        )
+        question, answer = _field(row, "question", where, str), _field(row, "answer", where, str).strip()
+        parsed.append((question, answer, paragraphs, facts))
     documents = sorted({text for _, _, paragraphs, _ in parsed for _, text in paragraphs})
     index = {d: i for i, d in enumerate(documents)}
     questions = []
@@ -328,7 +314,7 @@ _FWE_QUESTION = "\nQuestion: leaving out the dots '...', which three coded words
 _FWE_PREFIX = "Answer: the three coded words that occur most often in the text above are:"
 _QA_INSTRUCTION = "Answer the question from the documents, with the answer alone and no other words."
 
-Body = Callable[[int], "tuple[list[int], list[int]] | None"]
+_Body = Callable[[int], "tuple[list[int], list[int]] | None"]
 
 
 @dataclass(frozen=True)
@@ -339,7 +325,7 @@ class _Draft:
     tail: str  # the question after it
     prefix: str  # how the answer begins
     references: list[str]
-    body: Body  # budget -> (exactly budget ids, the needles' offsets in them), or None when it cannot fit
+    body: _Body  # budget -> (exactly budget ids, the needles' offsets in them), or None when it cannot fit
     ordered: bool  # the references in this order are the teacher-forced answer
     separator: str = ","  # between references in that answer (then a space)
 
@@ -568,7 +554,7 @@ class _Builder:
                 listed += [ids] * rare_n
                 cost += more
             rng.shuffle(listed)
-            out = [t for i, ids in enumerate(listed) for t in (*self.number(i + 1), *ids)]
+            out = [t for i, item in enumerate(listed) for t in (*self.number(i + 1), *item)]
             count = len(listed)
             while len(out) < budget:  # new words once each, from the one that did not fit; the last is cut
                 count += 1
