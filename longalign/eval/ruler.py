@@ -92,17 +92,23 @@ class RulerCase:
 
 
 def select_tasks(
-    text: str | None, *, squad: QAData | None = None, hotpot: QAData | None = None, logprob: bool = False
+    given: str | Sequence[str] | None,
+    *,
+    squad: QAData | None = None,
+    hotpot: QAData | None = None,
+    logprob: bool = False,
 ) -> list[str]:
-    """The tasks of ``--tasks`` in RULER's order; by default every task whose data is given (QA: its file).
+    """The tasks of ``--tasks`` (a comma-separated string or a list) in RULER's order; by default every task
+    whose data is given (QA: its file), and with ``logprob`` those of them whose answer has one order.
 
     >>> select_tasks("vt,cwe,vt")
     ['vt', 'cwe']
     """
-    given = {"squad": squad, "hotpot": hotpot}
-    if text is None:
-        chosen = [n for n, t in TASKS.items() if t.family != "qa" or given[t.source] is not None]
+    files = {"squad": squad, "hotpot": hotpot}
+    if given is None:
+        chosen = [n for n, t in TASKS.items() if t.family != "qa" or files[t.source] is not None]
         return [n for n in chosen if TASKS[n].one_order] if logprob else chosen
+    text = given if isinstance(given, str) else ",".join(given)
     names = [part.strip() for part in text.split(",") if part.strip()]
     unknown = [n for n in names if n not in TASKS]
     if unknown or not names:
@@ -110,7 +116,7 @@ def select_tasks(
             f"--tasks {text!r}: unknown task {', '.join(unknown) or '(none)'}; known: {', '.join(TASKS)}"
         )
     for name in names:
-        if TASKS[name].family == "qa" and given[TASKS[name].source] is None:
+        if TASKS[name].family == "qa" and files[TASKS[name].source] is None:
             raise ConfigError(f"--tasks {name}: needs the dataset's file, --{TASKS[name].source} FILE")
     unordered = [n for n in names if logprob and not TASKS[n].one_order]
     if unordered:
