@@ -179,7 +179,7 @@ def build_cases(
                         f"--lengths {length}: too short for the needle, question and chat template "
                         f"({fixed} tokens without any haystack)"
                     )
-                sentences = _sentences_from(pool, rng.randrange(len(pool)), haystack_len)
+                sentences = sentences_from(pool, rng.randrange(len(pool)), haystack_len)
                 haystack = [t for s in sentences for t in s][:haystack_len]
                 cut = nearest_boundary([len(s) for s in sentences], haystack_len, depth)
                 content = [*intro, *haystack[:cut], *needle_ids, *haystack[cut:], *question]
@@ -200,7 +200,7 @@ def build_cases(
     return cases
 
 
-def _sentences_from(pool: list[list[int]], start: int, tokens: int) -> list[list[int]]:
+def sentences_from(pool: list[list[int]], start: int, tokens: int) -> list[list[int]]:
     """Sentences of ``pool`` from ``start`` on, wrapping around, until they hold ``tokens`` tokens."""
     taken, total, i = [], 0, start
     while total < tokens:
