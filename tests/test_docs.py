@@ -127,7 +127,7 @@ def plan(command: Command) -> Plan:
         return Plan(command, [], "the test command: .ci/run runs it verbatim")
     chain = [step for step in steps(command.text) if needs_shell(step) or not is_install(argv(step)[1])]
     if not chain:
-        return Plan(command, [], "needs the network: installs from PyPI")
+        return Plan(command, [], "installs from PyPI: needs the network")
     return Plan(command, chain)
 
 
@@ -211,7 +211,7 @@ def test_a_marker_is_read_only_in_its_own_words():
     assert plan(command("needs a hosted model")).why_not == "needs a hosted model"
     assert (
         plan(Command("p.md", 1, "pip install -e '.[flash]'")).why_not
-        == "needs the network: installs from PyPI"
+        == "installs from PyPI: needs the network"
     )
     chain = plan(
         Command("p.md", 1, "python3 -m venv .venv && .venv/bin/pip install -e . && bash scripts/demo.sh")
@@ -306,7 +306,10 @@ def test_every_flag_of_every_command_is_in_the_manual():
 
 
 def report(plans: list[Plan], results: dict[str, tuple[int, float]] | None) -> str:
-    """How many commands the pages show, how many ran (or are to run), and why each other one does not."""
+    """How many commands the pages show, how many ran (or are to run), and why each other one does not.
+
+    A command shown on several pages counts once, under every place it is shown.
+    """
     distinct: dict[str, Plan] = {}
     places: dict[str, list[str]] = {}
     for p in plans:
@@ -316,32 +319,41 @@ def report(plans: list[Plan], results: dict[str, tuple[int, float]] | None) -> s
     def shown(text: str) -> str:
         return text if len(text) <= 100 else text[:97] + "..."
 
+    def where(p: Plan) -> str:
+        return ", ".join(places[p.command.text])
+
     ran = [p for p in distinct.values() if p.run]
-    kept = [p for p in distinct.values() if not p.run]
-    reasons: dict[str, int] = {}
-    for p in kept:
+    marked = [p for p in distinct.values() if not p.run and p.command.needs]
+    unmarked = [p for p in distinct.values() if not p.run and not p.command.needs]
+    kinds: dict[str, int] = {}
+    for p in marked:
         kind = p.why_not.split(":")[0]
-        reasons[kind] = reasons.get(kind, 0) + 1
+        kinds[kind] = kinds.get(kind, 0) + 1
+    counts = f"{len(marked)} marked, {len(unmarked)} installs or the test command"
     if results is None:
         lines = [
-            f"{len(plans)} commands in README.md and docs/, {len(distinct)} distinct: {len(ran)} to run (-m integration)"
+            f"{len(plans)} commands in README.md and docs/ ({len(distinct)} distinct): "
+            f"{len(ran)} to run (-m integration), {counts}"
         ]
     else:
+        failed = sum(
+            status != distinct[text].command.expected_status for text, (status, _) in results.items()
+        )
         slowest = sorted(results.items(), key=lambda item: -item[1][1])[:3]
         lines = [
-            f"{len(plans)} commands in README.md and docs/, {len(distinct)} distinct: ran {len(ran)} in "
-            f"{sum(s for _, s in results.values()):.0f} s (slowest: "
-            + "; ".join(f"{shown(text)[:50]}... {s:.0f} s" for text, (_, s) in slowest)
-            + ")"
+            f"{len(plans)} commands in README.md and docs/ ({len(distinct)} distinct): "
+            f"ran {len(ran)} in {sum(s for _, s in results.values()):.0f} s ({failed} failed), {counts}",
+            "  slowest: " + ", ".join(f"{places[text][0]} {s:.0f} s" for text, (_, s) in slowest),
         ]
     for p in ran:
         if p.run != steps(p.command.text):
             lines.append(
-                f"  {', '.join(places[p.command.text])}: runs only {' && '.join(p.run)}; the rest installs (needs the network)"
+                f"  {where(p)}: runs only {' && '.join(p.run)}; the rest installs (needs the network)"
             )
-    lines.append(f"not run {len(kept)} (" + ", ".join(f"{n} {kind}" for kind, n in reasons.items()) + "):")
-    for p in kept:
-        lines.append(f"  {', '.join(places[p.command.text])}: {p.why_not}\n      {shown(p.command.text)}")
+    lines.append(f"marked {len(marked)} (" + ", ".join(f"{n} {kind}" for kind, n in kinds.items()) + "):")
+    lines += [f"  {where(p)}: {p.why_not}\n      {shown(p.command.text)}" for p in marked]
+    lines.append(f"not run, installs or the test command {len(unmarked)}:")
+    lines += [f"  {where(p)}: {p.why_not}\n      {shown(p.command.text)}" for p in unmarked]
     return "\n".join(lines)
 
 
