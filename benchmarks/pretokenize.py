@@ -21,7 +21,7 @@ import datasets
 from transformers import AutoTokenizer
 
 from longalign.chat_template import profile_tokenizer
-from longalign.labels import IGNORE_INDEX
+from longalign.config import IGNORE_INDEX
 from longalign.records import parse_record
 from longalign.tokenize import pre_tokenize, process_line
 

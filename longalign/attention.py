@@ -41,9 +41,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from longalign.config import BACKENDS
 from longalign.errors import ConfigError
 
-BACKENDS = ("flash_attn", "flash_attn_cute", "torch_varlen", "sdpa_segments")
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 _KERNELS = {  # backend: (modules tried in order, varlen entry point, how to get it)
     "flash_attn": (

@@ -40,12 +40,8 @@ import pyarrow.compute as pc
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from longalign.config import EXACT_WEIGHTINGS, WEIGHTINGS
 from longalign.errors import ConfigError, InputError
-
-# How the loss counts: every sample equally (LongAlign) or every target token equally, exactly over the
-# whole step; then two references that reproduce what released code computes (see PackCollator).
-EXACT_WEIGHTINGS = ("sequence_level", "token_level")
-WEIGHTINGS = (*EXACT_WEIGHTINGS, "pack_token_mean", "longwriter")
 
 
 def _check_weighting(weighting: str, allowed: tuple[str, ...] = WEIGHTINGS) -> None:

@@ -92,7 +92,8 @@ def _config_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _pre_tokenize_arguments(parser: argparse.ArgumentParser) -> None:
-    from longalign.tokenize import SPECIAL_TEXT_MODES, TRUNCATIONS
+    from longalign.config import TRUNCATIONS
+    from longalign.tokenize import SPECIAL_TEXT_MODES
 
     parser.add_argument(
         "--input",
@@ -129,7 +130,7 @@ def _pre_tokenize_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _pre_tokenize(args: argparse.Namespace) -> int:
     from longalign.chat_template import open_tokenizer
-    from longalign.sources import Source
+    from longalign.config import Source
     from longalign.tokenize import pre_tokenize
 
     tokenizer = open_tokenizer(args.tokenizer, trust_remote_code=args.trust_remote_code)
@@ -155,7 +156,7 @@ def _pre_tokenize(args: argparse.Namespace) -> int:
 
 
 def _pack_arguments(parser: argparse.ArgumentParser) -> None:
-    from longalign.packing import STRATEGIES
+    from longalign.config import STRATEGIES
 
     parser.add_argument("--input", required=True, help="dataset directory written by pre-tokenize")
     parser.add_argument("--output", required=True, help="output dataset directory (replaced atomically)")

@@ -42,20 +42,68 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from longalign.attention import BACKENDS
-from longalign.batching import WEIGHTINGS
 from longalign.errors import ConfigError, InputError, did_you_mean
-from longalign.labels import IGNORE_INDEX
-from longalign.packing import STRATEGIES
-from longalign.sources import Source
-from longalign.tokenize import TRUNCATIONS
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:
     import tomli as tomllib
 
+# The names a run file chooses from. The stages that act on them import them from here, so that the checker
+# of a run file sits above the stages it describes and needs none of them.
+BACKENDS = ("flash_attn", "flash_attn_cute", "torch_varlen", "sdpa_segments")  # longalign.attention
+# How the loss counts (longalign.batching): every sample equally (LongAlign) or every target token equally,
+# exactly over the whole step; then two references that reproduce what released code computes.
+EXACT_WEIGHTINGS = ("sequence_level", "token_level")
+WEIGHTINGS = (*EXACT_WEIGHTINGS, "pack_token_mean", "longwriter")
+IGNORE_INDEX = (
+    -100
+)  # the label of a token that is not a target (longalign.labels writes it, the loss skips it)
+STRATEGIES = ("bfd", "ffd", "greedy", "sorted", "none")  # longalign.packing.pack
+TRUNCATIONS = ("right", "left", "drop")  # longalign.tokenize: what becomes of a sample over max_seq_len
 TORCH_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class Source:
+    """One input of a run or of pre-tokenize, with how much of it a mix takes (at most one of three).
+
+    A ``[[data.sources]]`` table of a run file, or a ``--input`` of pre-tokenize; ``longalign.sources``
+    reads what it names.
+    """
+
+    path: str  # a raw file, a directory of them, a saved datasets directory, or a Hub dataset id
+    split: str | None = None  # datasets and Hub datasets: which split (default "train")
+    columns: Mapping[str, str] = field(default_factory=dict)  # our field name -> the source's
+    weight: float | None = None  # share of the weighted part of the mix, relative to other weights
+    num_samples: int | None = None  # exactly this many samples
+    fraction: float | None = None  # this fraction of the source's samples
+
+    def __post_init__(self) -> None:
+        rules = [name for name in ("weight", "num_samples", "fraction") if getattr(self, name) is not None]
+        if len(rules) > 1:
+            raise InputError(
+                f"{self.path}: set one of weight, num_samples and fraction, not {' and '.join(rules)}"
+            )
+        if self.weight is not None and self.weight <= 0:
+            raise InputError(f"{self.path}: weight must be > 0, got {self.weight}")
+        if self.num_samples is not None and self.num_samples < 0:
+            raise InputError(f"{self.path}: num_samples must be >= 0, got {self.num_samples}")
+        if self.fraction is not None and not 0 <= self.fraction <= 1:
+            raise InputError(f"{self.path}: fraction must be between 0 and 1, got {self.fraction}")
+
+    @property
+    def rule(self) -> str | None:
+        """How much the mix takes, as reports write it (``"fraction 0.5"``); ``None``: all of it."""
+        for name in ("fraction", "num_samples", "weight"):
+            if getattr(self, name) is not None:
+                return f"{name} {getattr(self, name)}"
+        return None
+
+    @property
+    def name(self) -> str:
+        """How reports and errors name it: the path, with its split when one is set."""
+        return f"{self.path}[{self.split}]" if self.split else self.path
 
 
 @dataclass

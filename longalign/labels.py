@@ -20,9 +20,8 @@ from longalign.chat_template import (
     profile_tokenizer,
     render_conversation,
 )
+from longalign.config import IGNORE_INDEX
 from longalign.records import RecordError
-
-IGNORE_INDEX = -100
 
 
 def tokenize_conversation(

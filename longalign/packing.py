@@ -31,10 +31,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from longalign.artifacts import check_output, load_stage, stage_output, write_report
+from longalign.config import STRATEGIES, Source
 from longalign.errors import ConfigError, InputError
-from longalign.sources import Source, mix_indices
-
-STRATEGIES = ("bfd", "ffd", "greedy", "sorted", "none")  # see pack()
+from longalign.sources import mix_indices
 
 MAX_REPORTED_LINES = 20  # dropped samples whose line the report names
 SAMPLE_COLUMNS = ("input_ids", "labels", "length", "num_targets", "line")

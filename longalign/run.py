@@ -38,12 +38,19 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 import longalign.patch
 from longalign import checkpoints
 from longalign.artifacts import REPORT_NAME, load_stage, read_report
-from longalign.batching import EXACT_WEIGHTINGS, packs_fingerprint
+from longalign.batching import packs_fingerprint
 from longalign.chat_template import open_tokenizer
-from longalign.config import RESERVED_TRAINING_ARGS, Config, LoraConfig, check_config_overrides
+from longalign.config import (
+    EXACT_WEIGHTINGS,
+    IGNORE_INDEX,
+    RESERVED_TRAINING_ARGS,
+    Config,
+    LoraConfig,
+    Source,
+    check_config_overrides,
+)
 from longalign.errors import ConfigError, InputError, LongAlignError
 from longalign.fingerprints import digest, tokenizer_digests
-from longalign.labels import IGNORE_INDEX
 from longalign.loss import linear_head
 from longalign.packing import write_packs
 from longalign.preflight import (
@@ -56,7 +63,7 @@ from longalign.preflight import (
     run_preflight,
 )
 from longalign.redact import is_secret_name, redact
-from longalign.sources import Source, fingerprint, kind
+from longalign.sources import fingerprint, kind
 from longalign.tokenize import pre_tokenize
 from longalign.trainer import CHECKPOINT_RECORD, LongAlignTrainer
 

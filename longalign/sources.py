@@ -8,10 +8,11 @@ A source is anything a run file's ``[data] train_file`` or ``[[data.sources]] pa
     saved/                                      a `datasets` directory (save_to_disk), split "train" by default
     org/name                                    a Hub dataset, read with datasets.load_dataset (cache first)
 
-Every record becomes ``(file, number, text)``: the file it came from, its 1-based line (or row) number
-there, and its JSON text, which the pre-tokenize stage parses like any JSONL line. ``columns`` renames a
-source's fields to the ones pre-tokenize reads (``{messages = "dialog", role = "speaker"}``), at the top
-level and inside every message.
+``longalign.config.Source`` describes one (path, split, columns, and the share of a mix it takes), as the
+run file's checker knows it; this module reads what it names. Every record becomes ``(file, number,
+text)``: the file it came from, its 1-based line (or row) number there, and its JSON text, which the
+pre-tokenize stage parses like any JSONL line. ``columns`` renames a source's fields to the ones
+pre-tokenize reads (``{messages = "dialog", role = "speaker"}``), at the top level and inside every message.
 
 A mix takes samples from each source, deterministically from a seed (``mix_indices``)::
 
@@ -25,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,48 +33,11 @@ import numpy as np
 
 from longalign.answers import CALLS_NAME
 from longalign.artifacts import MARKER_NAME, REPORT_NAME
+from longalign.config import Source
 from longalign.errors import InputError
 
 RAW_SUFFIXES = (".jsonl", ".json", ".parquet")
 MESSAGE_LISTS = ("messages", "conversations")
-
-
-@dataclass(frozen=True)
-class Source:
-    """One input of a run or of pre-tokenize, with how much of it a mix takes (at most one of three)."""
-
-    path: str  # a raw file, a directory of them, a saved datasets directory, or a Hub dataset id
-    split: str | None = None  # datasets and Hub datasets: which split (default "train")
-    columns: Mapping[str, str] = field(default_factory=dict)  # our field name -> the source's
-    weight: float | None = None  # share of the weighted part of the mix, relative to other weights
-    num_samples: int | None = None  # exactly this many samples
-    fraction: float | None = None  # this fraction of the source's samples
-
-    def __post_init__(self) -> None:
-        rules = [name for name in ("weight", "num_samples", "fraction") if getattr(self, name) is not None]
-        if len(rules) > 1:
-            raise InputError(
-                f"{self.path}: set one of weight, num_samples and fraction, not {' and '.join(rules)}"
-            )
-        if self.weight is not None and self.weight <= 0:
-            raise InputError(f"{self.path}: weight must be > 0, got {self.weight}")
-        if self.num_samples is not None and self.num_samples < 0:
-            raise InputError(f"{self.path}: num_samples must be >= 0, got {self.num_samples}")
-        if self.fraction is not None and not 0 <= self.fraction <= 1:
-            raise InputError(f"{self.path}: fraction must be between 0 and 1, got {self.fraction}")
-
-    @property
-    def rule(self) -> str | None:
-        """How much the mix takes, as reports write it (``"fraction 0.5"``); ``None``: all of it."""
-        for name in ("fraction", "num_samples", "weight"):
-            if getattr(self, name) is not None:
-                return f"{name} {getattr(self, name)}"
-        return None
-
-    @property
-    def name(self) -> str:
-        """How reports and errors name it: the path, with its split when one is set."""
-        return f"{self.path}[{self.split}]" if self.split else self.path
 
 
 def kind(path: str) -> str:

@@ -51,18 +51,17 @@ from longalign.chat_template import (
     render_text,
     split_rendering,
 )
+from longalign.config import IGNORE_INDEX, TRUNCATIONS, Source
 from longalign.errors import ConfigError, InputError
 from longalign.labels import (
-    IGNORE_INDEX,
     check_chat_template,
     encode_rendering,
     quoted_control_text,
     truncate,
 )
 from longalign.records import BAD_INPUT, DROP_REASONS, RecordError, clean_message, parse_record
-from longalign.sources import Source, files_of, records
+from longalign.sources import files_of, records
 
-TRUNCATIONS = ("right", "left", "drop")
 # What message text that spells a control token (e.g. "<|eot_id|>") becomes: text, or the control token.
 SPECIAL_TEXT_MODES = ("text", "parse")
 MAX_REPORTED_ERRORS = 20

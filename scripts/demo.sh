@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole pipeline on the shipped sample, on CPU: chat JSONL -> tokens -> packs -> a short training run.
 # Uses the interpreter in $PYTHON (default: .venv/bin/python); writes everything under out/demo/.
+# Arguments are overrides of configs/demo.toml for the training run: bash scripts/demo.sh training.num_train_epochs=1
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -17,4 +18,4 @@ echo "== 2. pack into rows of $MAX_LEN tokens (best-fit decreasing, 1D cu_seqlen
 echo "== 3. train a tiny random Llama on the packs (CPU, sequence-level loss)"
 rm -rf "$OUT/run"  # a fresh run each time (a run refuses an output_dir that holds another run's checkpoints)
 "$PY" -m accelerate.commands.launch --num_processes 1 --cpu train.py --config configs/demo.toml \
-    data.train_file="\"$OUT/packed\"" data.eval_file="\"$OUT/packed\"" training.disable_tqdm=true
+    data.train_file="\"$OUT/packed\"" data.eval_file="\"$OUT/packed\"" training.disable_tqdm=true "$@"

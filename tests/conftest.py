@@ -39,6 +39,8 @@ from transformers import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
+# tests/test_docs.py's account of the commands README.md and docs/ show, printed at the end of the run.
+DOCS_REPORT = pytest.StashKey[str]()
 TOKENIZER = ROOT / "data" / "tokenizer"
 SAMPLE = ROOT / "data" / "sample.jsonl"
 DEMO = ROOT / "configs" / "demo.toml"
@@ -363,3 +365,11 @@ def glm_tokenizer(base_tokenizer):
         {"additional_special_tokens": ["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>"]}
     )
     return tok
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The documented commands: how many ran, and why each of the others does not (tests/test_docs.py)."""
+    report = config.stash.get(DOCS_REPORT, None)
+    if report:
+        terminalreporter.write_sep("-", "commands in README.md and docs/")
+        terminalreporter.write_line(report)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from conftest import ROOT
 
-from longalign.labels import IGNORE_INDEX
+from longalign.config import IGNORE_INDEX
 
 TEMPLATES = ROOT / "data" / "chat_templates"
 LLAMA3 = (TEMPLATES / "llama3.jinja").read_text()

@@ -12,12 +12,12 @@ from hypothesis import strategies as st
 
 from longalign import attention
 from longalign.attention import (
-    BACKENDS,
     available_backends,
     cu_seqlens_from_position_ids,
     resolve_backend,
     varlen_attention,
 )
+from longalign.config import BACKENDS
 
 GPU_BACKENDS = ("flash_attn", "flash_attn_cute", "torch_varlen")
 CPU = torch.device("cpu")

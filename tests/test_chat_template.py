@@ -31,8 +31,8 @@ from longalign.chat_template import (
     profile_tokenizer,
     render_conversation,
 )
+from longalign.config import IGNORE_INDEX
 from longalign.labels import (
-    IGNORE_INDEX,
     quoted_control_text,
     tokenize_conversation,
 )

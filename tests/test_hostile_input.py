@@ -20,8 +20,8 @@ from transformers import AutoTokenizer
 
 from longalign.artifacts import read_report
 from longalign.chat_template import profile_tokenizer
+from longalign.config import IGNORE_INDEX
 from longalign.errors import InputError
-from longalign.labels import IGNORE_INDEX
 from longalign.records import DROP_REASONS
 from longalign.tokenize import pre_tokenize, process_line
 

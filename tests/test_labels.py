@@ -19,8 +19,8 @@ from longalign.chat_template import (
     TemplateError,
     has_generation_markers,
 )
+from longalign.config import IGNORE_INDEX
 from longalign.labels import (
-    IGNORE_INDEX,
     check_chat_template,
     tokenize_conversation,
     truncate,

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 import longalign.packing as packing
 from longalign.artifacts import load_stage, read_report
+from longalign.config import STRATEGIES
 from longalign.packing import (
     PACK_SCHEMA,
-    STRATEGIES,
     _take_rows,
     build_pack_table,
     pack,

@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from longalign.sources import InputError, Source, fingerprint, kind, mix_indices, read_lines, records
+from longalign.config import Source
+from longalign.sources import InputError, fingerprint, kind, mix_indices, read_lines, records
 
 CHATS = [
     {

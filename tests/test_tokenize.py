@@ -19,13 +19,10 @@ from longalign.chat_template import (
     longest_token_bytes,
     profile_tokenizer,
 )
+from longalign.config import IGNORE_INDEX, Source
 from longalign.errors import InputError
-from longalign.labels import (
-    IGNORE_INDEX,
-    tokenize_conversation,
-)
+from longalign.labels import tokenize_conversation
 from longalign.records import DROP_REASONS, RecordError, parse_record
-from longalign.sources import Source
 from longalign.tokenize import min_tokens, pre_tokenize, process_line
 
 # --- the whole stage -----------------------------------------------------------------------------------
