@@ -9,8 +9,8 @@ the reason for each, at the end of the pytest run.
 
 A command runs as a user types it, with three changes a user could make too:
 
-- ``CUTS`` appends small sizes (the last value of a flag or an override wins), so training takes two steps
-  and a needle grid one cell;
+- ``CUTS`` appends small sizes (the last value of a flag or an override wins), so training takes two steps,
+  a needle grid one cell and a probe one length (two with ``--plan``);
 - ``--base-url`` and ``--judge-base-url`` point at ``tests/openai_stub.py`` on 127.0.0.1, with its model
   name and key;
 - a launch of several processes takes a free port (``--main_process_port 0``): other runs on the machine
@@ -59,6 +59,7 @@ from openai_stub import OpenAIStub
 TRAIN_CUT = ["training.max_steps=2"]
 NEEDLE_CUT = ["--lengths", "500", "--depths", "50", "--samples-per-cell", "1", "--max-new-tokens", "8"]
 PROBE_CUT = ["--lengths", "1k"]
+PLAN_CUT = ["--lengths", "1k,2k"]  # a probe's --plan fits its memory per token between two measured lengths
 CUTS = {
     "scripts/demo.sh": [*TRAIN_CUT, 'data.eval_file=""'],  # and no eval over the whole sample
     "longalign train": TRAIN_CUT,
@@ -385,6 +386,8 @@ def prepared(words: list[str], stub: OpenAIStub) -> list[str]:
     if Path(words[0]).name == "accelerate" and "--main_process_port" not in words:
         words = [*words[:2], "--main_process_port", "0", *words[2:]]
     extra = list(CUTS.get(program(words), []))
+    if extra == PROBE_CUT and "--plan" in words:
+        extra = list(PLAN_CUT)
     for flag, model_flag in (("--base-url", "--served-model"), ("--judge-base-url", "--judge-model")):
         if flag in words:
             extra += [flag, stub.base_url, model_flag, STUB_MODEL]
