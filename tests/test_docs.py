@@ -10,7 +10,7 @@ the reason for each, at the end of the pytest run.
 A command runs as a user types it, with three changes a user could make too:
 
 - ``CUTS`` appends small sizes (the last value of a flag or an override wins), so training takes two steps,
-  a needle grid one cell and a probe one length (two with ``--plan``);
+  a needle grid one cell, RULER one instance of each task and a probe one length (two with ``--plan``);
 - ``--base-url`` and ``--judge-base-url`` point at ``tests/openai_stub.py`` on 127.0.0.1, with its model
   name and key;
 - a launch of several processes takes a free port (``--main_process_port 0``): other runs on the machine
@@ -58,6 +58,7 @@ from openai_stub import OpenAIStub
 # Appended to a command to keep it small, by what it runs (docs_commands.program).
 TRAIN_CUT = ["training.max_steps=2"]
 NEEDLE_CUT = ["--lengths", "500", "--depths", "50", "--samples-per-cell", "1", "--max-new-tokens", "8"]
+RULER_CUT = ["--lengths", "1k", "--samples-per-task", "1", "--max-new-tokens", "8"]
 PROBE_CUT = ["--lengths", "1k"]
 PLAN_CUT = ["--lengths", "1k,2k"]  # a probe's --plan fits its memory per token between two measured lengths
 CUTS = {
@@ -65,6 +66,7 @@ CUTS = {
     "longalign train": TRAIN_CUT,
     "train.py": TRAIN_CUT,
     "longalign eval needle": NEEDLE_CUT,
+    "longalign eval ruler": RULER_CUT,
     "longalign eval chat": ["--max-new-tokens", "8"],
     "longalign eval write": ["--max-new-tokens", "8"],
     "longalign probe": PROBE_CUT,

@@ -96,7 +96,7 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--tokenizer",
         help="measures lengths and renders the chat template (default: --model's own; with --backend openai "
-        "only needle and chat's --max-length need one)",
+        "only needle, ruler and chat's --max-length need one)",
     )
     group.add_argument("--chat-template", type=Path, help="Jinja file that replaces the tokenizer's template")
     group.add_argument(
