@@ -361,7 +361,7 @@ def _merge(args: argparse.Namespace) -> int:
 
 
 def _convert_arguments(parser: argparse.ArgumentParser) -> None:
-    from longalign.checkpoints import LAYOUTS
+    from longalign.chatglm_layout import LAYOUTS
     from longalign.config import TORCH_DTYPES
 
     parser.add_argument("source", help="checkpoint directory, or a Hub id already in the local cache")

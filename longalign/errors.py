@@ -13,6 +13,8 @@ The subclasses also derive from the built-in error of the same meaning, so ``exc
 from __future__ import annotations
 
 import difflib
+import json
+from typing import Any
 
 
 class LongAlignError(Exception):
@@ -43,3 +45,12 @@ def did_you_mean(key: str, choices: list[str]) -> str:
     """
     close = difflib.get_close_matches(key, choices, n=1)
     return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def as_json(value: Any) -> str:
+    """``value`` in an error as a ``config.json`` holds it: ``true``, ``null``, ``{"factor": 4.0}``.
+
+    >>> as_json({"rope_type": "yarn", "original": None})
+    '{"rope_type": "yarn", "original": null}'
+    """
+    return json.dumps(value)

@@ -39,6 +39,7 @@ from transformers import AutoTokenizer, BitsAndBytesConfig
 
 from longalign import checkpoints
 from longalign.artifacts import stage_output
+from longalign.chatglm_layout import CHATGLM, NATIVE, RECORD_KEY
 from longalign.config import LoraConfig
 from longalign.errors import ConfigError, ModelError, PathError
 from longalign.loss import LinearInputs, linear_head
@@ -213,17 +214,17 @@ def adapter_saver(
     base_model: str, save_format: str, *, trust_remote_code: bool = False
 ) -> Callable[[nn.Module, Path, Mapping[str, torch.Tensor] | None], None] | None:
     """How a ``[lora]`` run writes its final adapter on a ChatGLM-layout base: peft's files, with that
-    layout's names (``checkpoints.adapter_to_chatglm``) and the base's tokenizer files; ``None`` otherwise.
+    layout's names (``chatglm_layout.adapter_to_chatglm``) and the base's tokenizer files; ``None`` otherwise.
     """
     checkpoint = checkpoints.find_checkpoint(base_model, trust_remote_code=trust_remote_code)
-    if save_format == checkpoints.NATIVE or checkpoint.layout != checkpoints.CHATGLM:
+    if save_format == NATIVE or checkpoint.layout != CHATGLM:
         return None
 
     def save(model: nn.Module, output_dir: Path, state: Mapping[str, torch.Tensor] | None) -> None:
         # peft would read the base's config.json as the native class's to see whether the vocabulary was
         # resized; for this layout it reads defaults. Trained embeddings are saved as modules_to_save anyway.
         model.save_pretrained(output_dir, state_dict=state, save_embedding_layers=False)
-        checkpoints.rewrite_adapter(output_dir, checkpoint.config, to=checkpoints.CHATGLM)
+        checkpoints.rewrite_adapter(output_dir, checkpoint.config, to=CHATGLM)
         checkpoints.copy_tokenizer_files(checkpoint.path, output_dir)
 
     return save
@@ -319,12 +320,12 @@ def merge_adapter(
         if checkpoints.is_chatglm_adapter(adapter_dir):  # peft loads it onto GlmForCausalLM's names
             for name in ("adapter_model.safetensors", "adapter_config.json"):
                 shutil.copyfile(adapter_dir / name, Path(tmp) / name)
-            checkpoints.rewrite_adapter(Path(tmp), checkpoint.config, to=checkpoints.NATIVE)
+            checkpoints.rewrite_adapter(Path(tmp), checkpoint.config, to=NATIVE)
             adapter = tmp
         merged = peft.PeftModel.from_pretrained(model, adapter).merge_and_unload()
         # The run switched the KV cache off for packed training; generation wants it back.
         merged.config.use_cache = True
-        if checkpoint.layout == checkpoints.CHATGLM and getattr(merged.config, checkpoints.RECORD_KEY, None):
+        if checkpoint.layout == CHATGLM and getattr(merged.config, RECORD_KEY, None):
             checkpoints.save_chatglm(
                 merged.state_dict(), staging, source=checkpoint.path, config=merged.config
             )

@@ -40,6 +40,7 @@ from longalign import checkpoints
 from longalign.artifacts import REPORT_NAME, load_stage, read_report
 from longalign.batching import packs_fingerprint
 from longalign.chat_template import open_tokenizer
+from longalign.chatglm_layout import CHATGLM, NATIVE
 from longalign.config import (
     EXACT_WEIGHTINGS,
     IGNORE_INDEX,
@@ -381,7 +382,7 @@ def check_positions(config, packs, path: str, cfg: Config) -> None:
     )
     if not pretrained:
         fix = f"raise max_position_embeddings in model.init_from_config to {longest} or more"
-    elif layout == checkpoints.CHATGLM and mc.save_format != checkpoints.NATIVE:  # it holds plain RoPE only
+    elif layout == CHATGLM and mc.save_format != NATIVE:  # it holds plain RoPE only
         fix = (
             f"extend it with model.config_overrides = {{ max_position_embeddings = {window * factor}, rope_theta "
             f'= ... }} (a larger base), or {yarn} with model.save_format = "native", or leave the longer samples '

@@ -31,7 +31,7 @@ from conftest import (
 from safetensors.torch import load_file, save_file
 from transformers import GlmConfig, GlmForCausalLM
 
-from longalign import checkpoints
+from longalign import chatglm_layout, checkpoints
 from longalign.checkpoints import GLM4_SPECIAL_TOKENS, GLM4_SPLIT_PATTERN, convert, load_model, read_weights
 from longalign.errors import ConfigError, ModelError
 
@@ -613,16 +613,16 @@ def test_adapter_saved_for_the_chatglm_layout_makes_the_same_update(tmp_path, gl
         glm4_dir / "tokenizer.model"
     ).read_bytes()
     base = {key: value.double() for key, value in read_weights(glm4_dir).items()}
-    merged = checkpoints.to_chatglm(model.merge_and_unload().state_dict())
+    merged = chatglm_layout.to_chatglm(model.merge_and_unload().state_dict())
     adapted = {key.removesuffix(".lora_A.weight") for key in state if key.endswith(".lora_A.weight")}
     assert len(adapted) == NUM_LAYERS * (4 if targets is None else 2)
     for module in adapted:  # what the remote-code model with this adapter computes: W + B A alpha / r
         leaf = module.rsplit(".", 1)[1]
         scale = settings["alpha_pattern"].get(leaf, 6.0) / settings["rank_pattern"].get(leaf, 2)
         update = scale * state[f"{module}.lora_B.weight"] @ state[f"{module}.lora_A.weight"]
-        name = module.removeprefix(checkpoints.PEFT_PREFIX) + ".weight"
+        name = module.removeprefix(chatglm_layout.PEFT_PREFIX) + ".weight"
         assert relative(base[name] + update, merged[name]) < 1e-12, name
-    trained = checkpoints.PEFT_PREFIX + "transformer.embedding.word_embeddings.weight"
+    trained = chatglm_layout.PEFT_PREFIX + "transformer.embedding.word_embeddings.weight"
     assert torch.equal(state[trained], merged["transformer.embedding.word_embeddings.weight"])
 
 
@@ -631,7 +631,7 @@ def test_merge_writes_the_chatglm_layout_of_its_base(tmp_path, glm4_dir):
 
     model = adapted_model(glm4_dir)
     adapter_saver(str(glm4_dir), "auto")(model, tmp_path / "adapter", None)
-    expected = checkpoints.to_chatglm(model.merge_and_unload().state_dict())
+    expected = chatglm_layout.to_chatglm(model.merge_and_unload().state_dict())
     merge_adapter(tmp_path / "adapter", tmp_path / "merged", dtype="float64")
     merged = read_weights(tmp_path / "merged")
     assert merged.keys() == expected.keys()
@@ -739,7 +739,7 @@ def test_chatglm_overrides_map_back_onto_its_config_json(glm4_dir):
         "partial_rotary_factor": 0.5,
         "rope_type": "default",
     }
-    saved = checkpoints.chatglm_config(longer)
+    saved = chatglm_layout.chatglm_config(longer)
     original = json.loads((glm4_dir / "config.json").read_text())
     assert saved == {**original, "rope_ratio": 8.0, "seq_length": 8192}
 
@@ -760,7 +760,7 @@ def test_what_the_chatglm_layout_cannot_hold_is_refused_unless_saved_natively(tm
     ):
         checkpoints.override_config(config, {"hidden_act": "gelu"})
     native = checkpoints.override_config(config, yarn, save_format="native")
-    assert native.rope_parameters["rope_type"] == "yarn" and not hasattr(native, checkpoints.RECORD_KEY)
+    assert native.rope_parameters["rope_type"] == "yarn" and not hasattr(native, chatglm_layout.RECORD_KEY)
     GlmForCausalLM(native).save_pretrained(tmp_path / "native")
     with pytest.raises(ModelError, match="the ChatGLM layout rotates half of each head with plain RoPE"):
         convert(str(tmp_path / "native"), tmp_path / "chatglm")

@@ -33,7 +33,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def pool(tokenizer):
-    return nd.haystack_pool(tokenizer, None, seed=0, tokens=2000)
+    return nd.haystack_pool(tokenizer, None, seed=0)
 
 
 FIXED = nd.Needle(
@@ -78,7 +78,7 @@ def test_the_needle_starts_within_one_sentence_of_its_depth(tokenizer, pool):
 def test_the_needle_sits_on_a_sentence_boundary_of_a_haystack_file(tokenizer, tmp_path):
     (tmp_path / "a.txt").write_text("One short line here. Another follows it! Does a third? " * 40)
     (tmp_path / "b.txt").write_text("Second file, first sentence. Second file, last sentence.")
-    pool = nd.haystack_pool(tokenizer, tmp_path, seed=0, tokens=900)
+    pool = nd.haystack_pool(tokenizer, tmp_path, seed=0)
     cases = grid(tokenizer, pool, lengths=[300, 900], needle=FIXED)
     assert [len(c.prompt.input_ids) for c in cases] == [c.length for c in cases]
     for case in cases:
@@ -89,7 +89,7 @@ def test_the_needle_sits_on_a_sentence_boundary_of_a_haystack_file(tokenizer, tm
 
 def test_the_same_seed_gives_the_same_prompts_and_another_seed_others(tokenizer, pool):
     first = grid(tokenizer, pool, seed=3)
-    again = grid(tokenizer, nd.haystack_pool(tokenizer, None, seed=0, tokens=2000), seed=3)
+    again = grid(tokenizer, nd.haystack_pool(tokenizer, None, seed=0), seed=3)
     other = grid(tokenizer, pool, seed=4)
     assert first == again
     assert [c.prompt.input_ids for c in first] != [c.prompt.input_ids for c in other]

@@ -289,8 +289,9 @@ def test_the_same_seed_gives_the_same_instances_and_another_seed_others(tokenize
     assert first == again
     differ = [a.prompt.input_ids != b.prompt.input_ids for a, b in zip(first, other, strict=True)]
     assert all(differ)
-    alone = ruler.build_instances(tokenizer, tasks=["vt"], lengths=[1700], samples_per_task=2, seed=5)
-    assert alone == [c for c in first if c.task == "vt" and c.length == 1700]  # whatever else is asked
+    for task in ("vt", "niah_single_2"):  # niah_single_2 hides its needle in the essay haystack
+        alone = ruler.build_instances(tokenizer, tasks=[task], lengths=[1000], samples_per_task=2, seed=5)
+        assert alone == [c for c in first if c.task == task and c.length == 1000]  # whatever else is asked
 
 
 def test_a_length_too_short_for_a_task_is_one_line(tokenizer):

@@ -295,12 +295,15 @@ def test_a_served_eval_run_again_asks_nothing_and_writes_the_same_results(tmp_pa
         assert server.calls == 6
         assert main(["eval", "needle", *served(server), *argv, "--samples-per-cell", "2"]) == 0
         assert server.calls == 6 + 6  # the new samples only
+        longer = ["--lengths", "200,400,800", *argv[2:], "--samples-per-cell", "2"]
+        assert main(["eval", "needle", *served(server), *longer]) == 0
+        assert server.calls == 6 + 6 + 6  # the new length only: a prompt does not depend on the others
     assert (out / "results.jsonl").read_bytes() != first
     printed = capsys.readouterr().out
     assert "model: 0 calls made (0 failed, 0 retried, 0 rate-limited), 6 answers reused (" in printed
     report = json.loads((out / "report.json").read_text())
-    assert (report["model"]["calls"]["made"], report["model"]["calls"]["reused"]) == (6, 6)
-    assert len(read_results(out)) == len((out / "calls.jsonl").read_text().splitlines()) == 12
+    assert (report["model"]["calls"]["made"], report["model"]["calls"]["reused"]) == (6, 12)
+    assert len(read_results(out)) == len((out / "calls.jsonl").read_text().splitlines()) == 18
     no_key_in(out)
 
 

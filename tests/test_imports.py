@@ -11,6 +11,8 @@ from pathlib import Path
 from conftest import ROOT
 
 PACKAGES = {"longalign": ROOT / "longalign", "longalign.patch": ROOT / "patch"}
+# What reads or writes files: the pure ChatGLM layout mapping imports none of it.
+FILE_ACCESS = {"os", "pathlib", "json", "safetensors", "shutil", "io", "glob"}
 
 
 def module_files() -> dict[str, Path]:
@@ -48,6 +50,28 @@ def imported_modules(name: str, path: Path, known: set[str]) -> set[str]:
             if target and target != name:
                 out.add(target)
     return out
+
+
+def top_level_imports(path: Path) -> set[str]:
+    """The top-level names of everything the file imports, anywhere in it (``safetensors.torch`` -> ``safetensors``)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+def reached(graph: dict[str, set[str]], name: str) -> set[str]:
+    """The modules ``name`` imports, directly or through others."""
+    seen: set[str] = set()
+    todo = [name]
+    while todo:
+        for nxt in graph[todo.pop()] - seen:
+            seen.add(nxt)
+            todo.append(nxt)
+    return seen - {name}
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -111,3 +135,12 @@ def test_the_run_file_checker_imports_no_stage():
     # config heads the data flow: the stages import the names it checks (backends, weightings, strategies,
     # truncations, the ignore index, Source), so checking a run file loads none of them (nor torch).
     assert import_graph()["longalign.config"] <= {"longalign.errors"}
+
+
+def test_the_chatglm_layout_mapping_opens_no_files():
+    files, graph = module_files(), import_graph()
+    assert {"json", "pathlib", "safetensors", "shutil"} <= top_level_imports(files["longalign.checkpoints"])
+    assert not top_level_imports(files["longalign.chatglm_layout"]) & FILE_ACCESS
+    # Of longalign it reaches the error classes only; they format values as JSON text and open nothing.
+    assert reached(graph, "longalign.chatglm_layout") == {"longalign.errors"}
+    assert not top_level_imports(files["longalign.errors"]) & (FILE_ACCESS - {"json"})

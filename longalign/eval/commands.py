@@ -467,7 +467,7 @@ def _run_needle(args: argparse.Namespace) -> int:
         raise ConfigError("--score logprob: needs the model's weights (--backend transformers)")
     _check_output(args, inputs=_local_inputs(args, args.haystack))
     session = Session(args, default_new_tokens=32, needs_tokenizer="it builds prompts of exact token lengths")
-    pool = nd.haystack_pool(session.tokenizer, args.haystack, seed=args.seed, tokens=max(lengths))
+    pool = nd.haystack_pool(session.tokenizer, args.haystack, seed=args.seed)
     cases = nd.build_cases(
         session.tokenizer,
         pool,

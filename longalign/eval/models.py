@@ -27,6 +27,7 @@ from tqdm import tqdm
 from longalign import checkpoints
 from longalign.answers import StoredCalls
 from longalign.chat_template import open_tokenizer
+from longalign.chatglm_layout import NATIVE
 from longalign.errors import ConfigError, LongAlignError, ModelError, PathError
 from longalign.serving import CallFailure, ChatClient
 
@@ -181,7 +182,7 @@ def _merged(model: torch.nn.Module, adapter_dir: Path, base: str) -> torch.nn.Mo
             for file in ("adapter_model.safetensors", "adapter_config.json"):
                 shutil.copyfile(adapter_dir / file, Path(tmp) / file)
             config = checkpoints.find_checkpoint(base).config
-            checkpoints.rewrite_adapter(Path(tmp), config, to=checkpoints.NATIVE)
+            checkpoints.rewrite_adapter(Path(tmp), config, to=NATIVE)
             adapter = tmp
         return peft.PeftModel.from_pretrained(model, adapter).merge_and_unload()
 

@@ -9,7 +9,7 @@ The haystack is whole sentences, each encoded once, cut to the exact count that 
 (never decoded and re-encoded). By default each prompt hides its own random key and 7-digit value
 ("The special magic number for amber-otter is 4812397."), so no answer can be learned by heart.
 
-    cases = build_cases(tokenizer, haystack_pool(tokenizer, None, seed=0, tokens=8192),
+    cases = build_cases(tokenizer, haystack_pool(tokenizer, None, seed=0),
                         lengths=[1000, 4000], depths=[0, 50, 100], samples=2, seed=0)
     replies = generator.generate([case.prompt for case in cases])
     rows = [generation_row(case, reply) for case, reply in zip(cases, replies)]
@@ -113,14 +113,19 @@ def read_haystack(source: Path) -> list[str]:
     return sentences
 
 
-def haystack_pool(tokenizer, source: Path | None, *, seed: int, tokens: int) -> list[list[int]]:
+FILLER_SENTENCES = 16384  # about 160k tokens of generated filler; longer prompts wrap around it
+
+
+def haystack_pool(tokenizer, source: Path | None, *, seed: int) -> list[list[int]]:
     """Haystack sentences in token ids, each encoded once with its leading space.
 
-    From ``source``, or generated filler (about ``tokens`` of it) when it is None. ``build_cases`` wraps
+    From ``source``, or ``FILLER_SENTENCES`` of generated filler when it is None. The pool does not depend
+    on the prompt lengths, so a prompt is the same whichever other lengths are asked for with it (a served
+    run extended to longer lengths reuses the stored answers of the shorter ones). ``build_cases`` wraps
     around the pool when a prompt needs more.
     """
     if source is None:
-        sentences = filler_sentences(random.Random(f"haystack:{seed}"), max(64, tokens // 8))
+        sentences = filler_sentences(random.Random(f"haystack:{seed}"), FILLER_SENTENCES)
     else:
         sentences = read_haystack(source)
     return tokenizer([" " + s for s in sentences], add_special_tokens=False).input_ids

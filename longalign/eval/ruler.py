@@ -154,8 +154,8 @@ def build_instances(
     missing = [t for t in tasks if TASKS[t].family == "qa" and {"squad": squad, "hotpot": hotpot}[TASKS[t].source] is None]  # fmt: skip
     if missing:
         raise ConfigError(f"{', '.join(missing)}: needs the dataset (--{TASKS[missing[0]].source} FILE)")
-    builder = _Builder(tokenizer, haystack=haystack, squad=squad, hotpot=hotpot, longest=max(lengths),
-                       seed=seed, with_answer_prefix=with_answer_prefix)  # fmt: skip
+    builder = _Builder(tokenizer, haystack=haystack, squad=squad, hotpot=hotpot, seed=seed,
+                       with_answer_prefix=with_answer_prefix)  # fmt: skip
     return [
         builder.build(task, length, sample)
         for task in tasks
@@ -368,12 +368,11 @@ def _insert(units: list[list[int]], tokens: int, pieces: list[list[int]], depths
 class _Builder:
     """What the instances of one ``build_instances`` call share: the tokenizer, its frame, pools, caches."""
 
-    def __init__(self, tokenizer, *, haystack, squad, hotpot, longest, seed, with_answer_prefix):
+    def __init__(self, tokenizer, *, haystack, squad, hotpot, seed, with_answer_prefix):
         self.tokenizer = tokenizer
         self.frame = template_frame(tokenizer)
         self.haystack = haystack
         self.qa_data = {"squad": squad, "hotpot": hotpot}
-        self.longest = longest
         self.seed = seed
         self.with_answer_prefix = with_answer_prefix
         self.families = {"niah": self.niah, "vt": self.vt, "cwe": self.cwe, "fwe": self.fwe, "qa": self.qa}
@@ -388,7 +387,7 @@ class _Builder:
 
     @functools.cached_property
     def essay(self) -> list[list[int]]:
-        return nd.haystack_pool(self.tokenizer, self.haystack, seed=self.seed, tokens=self.longest)
+        return nd.haystack_pool(self.tokenizer, self.haystack, seed=self.seed)
 
     @functools.cached_property
     def noise(self) -> list[int]:
