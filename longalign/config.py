@@ -23,11 +23,15 @@ A run file looks like::
     [lora]                             # optional: train LoRA adapters instead of every weight
     r = 16
 
+    [eval_tasks]                       # optional: long-context scores while training
+    needle = { lengths = [4096, 16384], depths = [0, 50, 100], every_steps = 200 }
+
 Names that LongAlign-style run files use for a setting (``sort_by_length``, ``use_flash_attention``, ...)
 are accepted as aliases of one canonical key each (``ALIASES``). The file is read first, then the command
 line's overrides; within one of them, an alias and its canonical key that disagree are an error naming
 both, and the command line wins over the file. An unknown section or key, or a value of the wrong type,
-is an error that names it. ``Config.sources`` says where every setting came from.
+is an error that names it; a table's field is overridden as ``section.key.field=value`` (``eval_tasks.needle.
+every_steps=50``). ``Config.sources`` says where every setting came from.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from longalign.arguments import parse_length
 from longalign.attention import BACKENDS
 from longalign.batching import WEIGHTINGS
 from longalign.errors import ConfigError, InputError
@@ -55,7 +60,10 @@ if sys.version_info >= (3, 11):
 else:
     import tomli as tomllib
 
-TORCH_DTYPES = ("auto", "float32", "bfloat16", "float16")
+TORCH_DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")  # float64: CPU checks of identities
+# The needle grid's defaults, in the run file's [eval_tasks] and in `longalign eval needle`.
+NEEDLE_LENGTHS = (1000, 2000, 4000, 8000)
+NEEDLE_DEPTHS = (0, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100)
 
 
 @dataclass
@@ -174,7 +182,7 @@ class ModelConfig:
     tokenizer: str | None = None  # defaults to model_name_or_path
     trust_remote_code: bool = False
     attn_backend: str = "auto"  # auto (the fastest that runs) | flash_attn | flash_attn_cute | ...
-    torch_dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    torch_dtype: str = "auto"  # auto | float32 | bfloat16 | float16 | float64 (CPU checks of identities)
     save_format: str = "auto"  # auto: the layout the model was loaded in (ChatGLM stays ChatGLM) | native
 
     def __post_init__(self) -> None:
@@ -278,6 +286,111 @@ class TrainingConfig:
             )
 
 
+@dataclass
+class NeedleTaskConfig:
+    """``[eval_tasks] needle``: the grid of ``longalign eval needle --score logprob``, scored while training.
+
+    The same settings give the same prompts as the command's flags of the same names.
+    """
+
+    every_steps: int  # score after every this many optimizer steps (required)
+    lengths: list[int | str] = field(
+        default_factory=lambda: list(NEEDLE_LENGTHS)
+    )  # whole prompt, 4096 or "4k"
+    depths: list[int] = field(default_factory=lambda: list(NEEDLE_DEPTHS))  # percent of the haystack
+    samples_per_cell: int = 1  # prompts per length and depth
+    seed: int = 0  # the prompts' randomness: each prompt's key and value, where its haystack starts
+    haystack: str | None = None  # a .txt file or a directory of them; default: generated filler sentences
+    pack_tokens: int | None = None  # tokens per packed row; default: the longest prompt with its answer
+
+    def __post_init__(self) -> None:
+        where = "eval_tasks.needle"
+        if self.every_steps < 1:
+            raise ConfigError(f"{where}.every_steps: must be >= 1, got {self.every_steps}")
+        lengths = set()
+        for value in self.lengths:
+            if isinstance(value, bool) or not isinstance(value, int | str):
+                raise ConfigError(
+                    f'{where}.lengths: expected token counts such as 4096 or "4k", got {value!r}'
+                )
+            try:
+                lengths.add(parse_length(value) if isinstance(value, str) else value)
+            except ConfigError as err:
+                raise ConfigError(f"{where}.lengths: {err}") from None
+            if isinstance(value, int) and value < 1:
+                raise ConfigError(f"{where}.lengths: expected positive token counts, got {value}")
+        if not lengths:
+            raise ConfigError(f"{where}.lengths: an empty list scores nothing; leave it out for the default")
+        bad = [d for d in self.depths if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d <= 100]
+        if bad or not self.depths:
+            raise ConfigError(f"{where}.depths: expected percentages from 0 to 100, got {self.depths!r}")
+        for key in ("samples_per_cell", "pack_tokens"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ConfigError(f"{where}.{key}: must be >= 1, got {value}")
+        # As the command reads its flags: smallest first, without repeats.
+        self.lengths = sorted(lengths)
+        self.depths = sorted(set(self.depths))
+
+
+# The tasks of [eval_tasks]: the key that names each, and the settings of its table.
+EVAL_TASKS = {"needle": NeedleTaskConfig}
+
+
+@dataclass
+class EvalTasksConfig:
+    """``[eval_tasks]``: long-context tasks the trainer's own model scores teacher-forced while it trains.
+
+    ``needle = { lengths = [4096, 16384], every_steps = 200 }``: one table per task (``EVAL_TASKS``),
+    checked by ``tasks()``.
+    """
+
+    needle: dict[str, Any] | None = None  # NeedleTaskConfig's fields
+    on_start: bool = True  # also score the model as it starts, before the first step (not on a resume)
+
+    def __post_init__(self) -> None:
+        if not self.tasks():
+            raise ConfigError(
+                f"[eval_tasks]: names no task; add one of {', '.join(EVAL_TASKS)}, e.g. needle = {{ every_steps = 200 }}"
+            )
+
+    def tasks(self) -> dict[str, Any]:
+        """The settings of every task named, by task: ``{"needle": NeedleTaskConfig(...)}``."""
+        return {
+            name: _table_settings(f"eval_tasks.{name}", getattr(self, name), cls)
+            for name, cls in EVAL_TASKS.items()
+            if getattr(self, name) is not None
+        }
+
+
+def _table_settings(where: str, table: Any, cls: type) -> Any:
+    """``cls(**table)`` for a run file's inline table, every key known and of its type; errors name ``where``."""
+    if not isinstance(table, dict):
+        raise ConfigError(
+            f"{where}: expected a table, e.g. {{ every_steps = 200 }}, got {type(table).__name__}"
+        )
+    hints = typing.get_type_hints(cls)
+    fields = [f for f in dataclasses.fields(cls) if f.init]
+    names = [f.name for f in fields]
+    for key, value in table.items():
+        if key not in names:
+            raise ConfigError(f"{where}.{key}: unknown key{_suggest(key, names)}")
+        if not _matches(value, hints[key]):
+            raise ConfigError(
+                f"{where}.{key}: expected {_describe(hints[key])}, got {type(value).__name__} {value!r}"
+            )
+    required = [
+        f.name
+        for f in fields
+        if f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+        and f.name not in table
+    ]
+    if required:
+        raise ConfigError(f"{where}.{required[0]}: missing; it is required")
+    return cls(**table)
+
+
 _OWN_TRAINING_KEYS = [f.name for f in dataclasses.fields(TrainingConfig) if f.name != "args"]
 
 SECTIONS = {
@@ -287,7 +400,9 @@ SECTIONS = {
     "training": TrainingConfig,
     "model": ModelConfig,
     "lora": LoraConfig,  # optional: only a run file (or override) that names it trains adapters
+    "eval_tasks": EvalTasksConfig,  # optional: only a run file (or override) that names it scores tasks
 }
+_OPTIONAL_SECTIONS = ("lora", "eval_tasks")
 
 
 @dataclass(frozen=True)
@@ -365,6 +480,7 @@ class Config:
     training: TrainingConfig
     model: ModelConfig
     lora: LoraConfig | None = None  # None: full fine-tuning
+    eval_tasks: EvalTasksConfig | None = None  # None: no long-context scores while training
     # "section.key" -> where its value came from: a file path or "command line", with the alias written
     sources: dict[str, str] = field(default_factory=dict)
 
@@ -398,13 +514,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
                 if other not in layer:
                     values.pop(other, None)
                     sources.pop(other, None)
-            values[key] = value
-            sources[key] = origin if written == key else f"{origin} (as {written})"
+            where = origin if written == key else f"{origin} (as {written})"
+            if isinstance(value, _Fields) and isinstance(values.get(key), dict):  # into the file's table
+                value, where = {**values[key], **value}, f"{sources[key]} + {where}"
+            values[key] = dict(value) if isinstance(value, _Fields) else value
+            sources[key] = where
     _resolve_sorting(values, sources, packing_on=any(_says_packing(tables) for _, tables in layers))
     built: dict[str, Any] = {}
     for name, cls in SECTIONS.items():
-        if cls is LoraConfig and not any(name in tables for _, tables in layers):
-            continue  # no [lora] anywhere: full fine-tuning
+        if name in _OPTIONAL_SECTIONS and not any(name in tables for _, tables in layers):
+            continue  # no [lora] anywhere: full fine-tuning; no [eval_tasks]: no scores
         table = {key.partition(".")[2]: value for key, value in values.items() if key.startswith(name + ".")}
         if cls is TrainingConfig:
             own = {key: table.pop(key) for key in _OWN_TRAINING_KEYS if key in table}
@@ -454,19 +573,40 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
 
 
+class _Fields(dict):
+    """Fields of a table set one by one on the command line (``section.key.field=value``): merged into the
+    table an earlier layer set, where a plain value replaces it."""
+
+
 def _overrides_table(overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
-    """``section.key=value`` items as tables; a value is read as TOML, else taken as a string."""
+    """``section.key=value`` (and ``section.key.field=value``) items as tables; a value is read as TOML, else
+    taken as a string."""
     tables: dict[str, Any] = {}
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or "." not in key:
             raise ConfigError(f"override {item!r}: expected section.key=value")
         section, _, name = key.strip().partition(".")
+        name, _, inner = name.partition(".")
         try:
             value = tomllib.loads(f"v = {raw.strip()}")["v"]
         except tomllib.TOMLDecodeError:
             value = raw.strip()
-        tables.setdefault(section, {})[name] = value
+        table = tables.setdefault(section, {})
+        if "." in inner:
+            raise ConfigError(f"override {item!r}: expected section.key=value or section.key.field=value")
+        if inner:
+            if name in table and not isinstance(table[name], _Fields):
+                raise ConfigError(
+                    f"override {item!r}: {section}.{name} is also set whole; set one or the other"
+                )
+            table.setdefault(name, _Fields())[inner] = value
+        elif isinstance(table.get(name), _Fields):
+            raise ConfigError(
+                f"override {item!r}: {section}.{name} has fields set one by one too; set one or the other"
+            )
+        else:
+            table[name] = value
     return tables
 
 

@@ -42,34 +42,12 @@ from longalign.probe_step import ERROR, FITS, OUT_OF_MEMORY
 from longalign.redact import redact_override
 from longalign.run import load_tokenizer
 
-_LENGTH = re.compile(r"(\d+)([km]?)", re.IGNORECASE)
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)", re.IGNORECASE)
 _POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
 
 STOPPED = (
     "stopped"  # a rank's step was ended because another rank failed first (the other statuses: probe_step)
 )
-
-
-def parse_length(text: str) -> int:
-    """A token count written as ``4k`` (4096), ``1m`` (1048576) or a plain integer.
-
-    >>> parse_length("64k"), parse_length("3000")
-    (65536, 3000)
-    """
-    match = _LENGTH.fullmatch(text.strip())
-    if not match or int(match[1]) == 0:
-        raise ConfigError(f"length {text!r}: expected a positive token count such as 4096, 4k or 1m")
-    return int(match[1]) * 1024 ** _POWERS[match[2].lower()]
-
-
-def parse_lengths(text: str) -> list[int]:
-    """A comma-separated ladder of lengths, smallest first, without repeats.
-
-    >>> parse_lengths("16k,4k,8k,4096")
-    [4096, 8192, 16384]
-    """
-    return sorted({parse_length(part) for part in text.split(",") if part.strip()})
 
 
 def parse_size(text: str) -> int:

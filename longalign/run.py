@@ -388,13 +388,14 @@ def parameter_summary(model: torch.nn.Module) -> str:
 
 
 def build_trainer(cfg: Config) -> LongAlignTrainer:
-    """Everything a run sets up before ``train()``: arguments, tokenizer, model, packs, trainer."""
+    """Everything a run sets up before ``train()``: arguments, tokenizer, model, packs, eval tasks, trainer."""
     args = training_arguments(cfg)
     check_sequence_parallel(cfg, args.world_size, parallelism=args.parallelism_config)
     tokenizer = load_tokenizer(cfg)
     # The data first: a problem with it shows before the weights are loaded.
     train_packs = resolve_packs("train", cfg, args, tokenizer)
     eval_packs = resolve_packs("eval", cfg, args, tokenizer) if cfg.data.eval_file else None
+    tasks = eval_tasks(cfg, tokenizer)
     transformers.set_seed(args.seed)
     model = load_model(cfg, args.device)
     check_vocabulary(model, train_packs, "the training data")
@@ -405,7 +406,7 @@ def build_trainer(cfg: Config) -> LongAlignTrainer:
         from longalign.lora import adapted_head
 
         model, read_head = adapt(model, cfg, args), adapted_head
-    return LongAlignTrainer(
+    trainer = LongAlignTrainer(
         model=model,
         args=args,
         train_dataset=train_packs,
@@ -422,6 +423,21 @@ def build_trainer(cfg: Config) -> LongAlignTrainer:
         run_record=json.loads(json.dumps(run_record(cfg, args, train_packs), default=str)),
         save_layout=final_saver(cfg),
     )
+    if tasks:
+        from longalign.eval.in_training import EvalTasksCallback
+
+        trainer.add_callback(EvalTasksCallback(trainer, tasks, on_start=cfg.eval_tasks.on_start))
+    return trainer
+
+
+def eval_tasks(cfg: Config, tokenizer) -> list:
+    """The tasks of ``[eval_tasks]`` with their prompts (``longalign.eval.in_training``); none without it."""
+    if cfg.eval_tasks is None:
+        return []
+    from longalign.eval.in_training import build_tasks
+
+    limit = getattr(model_config(cfg).get_text_config(), "max_position_embeddings", None)
+    return build_tasks(cfg.eval_tasks, tokenizer, context_limit=limit)
 
 
 def final_saver(cfg: Config):

@@ -13,6 +13,7 @@ from conftest import DEMO, ROOT, run_process
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from longalign.arguments import parse_length, parse_lengths
 from longalign.batching import PackCollator
 from longalign.config import load_config
 from longalign.probe import (
@@ -20,8 +21,6 @@ from longalign.probe import (
     combine_ranks,
     format_table,
     headline,
-    parse_length,
-    parse_lengths,
     parse_size,
     suggestions,
     synthetic_pack,

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from longalign.arguments import at_least
+from longalign.arguments import at_least, parse_lengths
 from longalign.errors import ConfigError
 from longalign.redact import redact_text
 from longalign.serving import ChatClient, ServerSettings, add_server_arguments, server_settings
@@ -28,7 +28,6 @@ from longalign.serving import ChatClient, ServerSettings, add_server_arguments, 
 if TYPE_CHECKING:
     from longalign.eval.models import Generator
 
-DEPTHS = "0,10,20,30,40,50,60,70,80,90,100"
 JUDGE_KEY_ENV = "JUDGE_API_KEY"  # the judge's key; OPENAI_API_KEY when this one is unset
 
 
@@ -97,12 +96,16 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _needle_arguments(parser: argparse.ArgumentParser) -> None:
+    from longalign.config import NEEDLE_DEPTHS, NEEDLE_LENGTHS
+
     parser.add_argument(
         "--lengths",
-        default="1000,2000,4000,8000",
+        default=",".join(map(str, NEEDLE_LENGTHS)),
         help="prompt lengths in tokens, chat template included (4k = 4096)",
     )
-    parser.add_argument("--depths", default=DEPTHS, help="needle depths, percent of the haystack")
+    parser.add_argument(
+        "--depths", default=",".join(map(str, NEEDLE_DEPTHS)), help="needle depths, percent of the haystack"
+    )
     parser.add_argument(
         "--samples-per-cell", type=_positive_int, default=1, help="prompts per length and depth"
     )
@@ -268,18 +271,18 @@ def _write_outputs(
     plot: Callable[[Path], None] | None = None,
     extra_files: dict[str, str] | None = None,
 ) -> None:
-    from longalign.artifacts import stage_output
+    from longalign.eval.outputs import write_outputs
 
-    with stage_output(args.output, stage=f"eval {args.task}", inputs=[i for i in inputs if i]) as staging:
-        with open(staging / "results.jsonl", "w", encoding="utf-8") as out:
-            for row in rows:
-                out.write(json.dumps(row, ensure_ascii=False) + "\n")
-        (staging / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-        (staging / "run_config.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-        for name, text in (extra_files or {}).items():
-            (staging / name).write_text(text, encoding="utf-8")
-        if plot is not None:
-            plot(staging)
+    write_outputs(
+        args.output,
+        rows,
+        summary,
+        record,
+        stage=f"eval {args.task}",
+        inputs=inputs,
+        extra_files=extra_files,
+        plot=plot,
+    )
 
 
 def _check_output(args: argparse.Namespace, *, inputs: Sequence[str]) -> None:
@@ -317,13 +320,12 @@ def _needle_setting(args: argparse.Namespace):
 def _run_needle(args: argparse.Namespace) -> int:
     from longalign.eval import needle as nd
     from longalign.eval.ranks import across_ranks
-    from longalign.probe import parse_lengths
 
     lengths = parse_lengths(args.lengths)
     try:
         depths = sorted({int(part) for part in args.depths.split(",") if part.strip()})
     except ValueError:
-        raise ConfigError(f"--depths {args.depths!r}: expected percentages, e.g. {DEPTHS}") from None
+        raise ConfigError(f"--depths {args.depths!r}: expected percentages, e.g. 0,25,50,75,100") from None
     if not depths or not all(0 <= d <= 100 for d in depths):
         raise ConfigError(f"--depths {args.depths!r}: expected percentages from 0 to 100")
     logprob = args.score == "logprob"
@@ -348,16 +350,15 @@ def _run_needle(args: argparse.Namespace) -> int:
 
         model = session.load_model(packed=True, attn_backend=args.attn_backend)
         check_fits([len(c.prompt.input_ids) + len(c.answer_ids) for c in cases], context_limit(model))
-        pack_tokens = args.pack_tokens or max(lengths) + max(len(c.answer_ids) for c in cases)
-
-        def work(mine):
-            scores = nd.score_answers(
-                model,
-                [(c.prompt.input_ids, c.answer_ids) for c in mine],
-                pack_tokens=pack_tokens,
-                progress="needle (rows)",
-            )
-            return [nd.logprob_row(c, s, session.tokenizer) for c, s in zip(mine, scores, strict=True)]
+        # The rows are dealt over the ranks, not the prompts: the same rows, so the same scores, on any
+        # number of ranks (and in a training run's [eval_tasks]).
+        scores = nd.score_answers_across_ranks(
+            model,
+            [(c.prompt.input_ids, c.answer_ids) for c in cases],
+            pack_tokens=args.pack_tokens or nd.default_pack_tokens(cases),
+            progress="needle (rows)",
+        )
+        rows = None if scores is None else nd.logprob_rows(cases, scores, session.tokenizer)
     else:
         generator = session.generator([len(c.prompt.input_ids) for c in cases])
 
@@ -365,7 +366,7 @@ def _run_needle(args: argparse.Namespace) -> int:
             replies = generator.generate([c.prompt for c in mine], progress="needle")
             return [nd.generation_row(c, r) for c, r in zip(mine, replies, strict=True)]
 
-    rows = across_ranks(cases, work)
+        rows = across_ranks(cases, work)
     if rows is None:
         return 0
     seconds = time.perf_counter() - started

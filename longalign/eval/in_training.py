@@ -1,0 +1,241 @@
+"""Long-context scores while a run trains: the run file's ``[eval_tasks]``.
+
+    [eval_tasks]
+    needle = { lengths = [4096, 16384], depths = [0, 50, 100], every_steps = 200 }
+
+Before the first step each task builds its prompts, once, as ``longalign eval needle --score logprob``
+builds them from the same settings. Then at step 0 (``on_start``) and after every ``every_steps``
+optimizer steps, the trainer's own model scores the due tasks teacher-forced: the prompts packed into
+rows, the rows dealt over the ranks, one forward per row, one gather. It logs, to every logger of
+``report_to`` and to ``trainer_state.json``::
+
+    eval_tasks/needle            100 x the share of prompts whose answer greedy decoding reproduces
+    eval_tasks/needle/logprob    the answers' mean log-probability
+    eval_tasks/needle/4096       the score at each length
+
+and rank 0 writes ``output_dir/eval_tasks/step-N/needle/``, the files ``longalign eval needle`` writes.
+The rows are the command's rows, so the scores at step N are the command's on ``checkpoint-N``.
+
+A task is a small piece (``ScoredTask``): its prompts with their answers, and what its scores become
+(rows, summary, logged numbers, files). ``TASKS`` names them, as ``longalign.config.EVAL_TASKS`` names
+their settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from transformers import TrainerCallback
+
+import longalign.patch
+from longalign.config import EvalTasksConfig, NeedleTaskConfig
+from longalign.errors import ConfigError
+from longalign.eval import needle as nd
+from longalign.eval.needle import AnswerScore
+from longalign.eval.outputs import write_outputs
+from longalign.eval.ranks import rank_and_world
+
+PREFIX = "eval_tasks"  # of every logged name, and of the results' directory in output_dir
+
+
+@dataclass
+class TaskResults:
+    """What one evaluation of a task gives: the rows of ``results.jsonl``, ``summary.json``, the logged numbers."""
+
+    rows: list[dict[str, Any]]
+    summary: dict[str, Any]
+    metrics: dict[str, float]  # logged names (eval_tasks/...) -> values
+
+
+class ScoredTask(Protocol):
+    """A task scored teacher-forced during training, its prompts built once."""
+
+    name: str  # the key of [eval_tasks], the directory under eval_tasks/step-N/
+    every_steps: int
+    settings: Any  # its [eval_tasks] table, checked (recorded in run_config.json)
+    sequences: list[tuple[list[int], list[int]]]  # (prompt_ids, answer_ids) of every prompt, in order
+    pack_tokens: int  # tokens per packed row
+
+    def results(self, scores: Sequence[AnswerScore]) -> TaskResults: ...
+
+    def write(self, directory: Path, results: TaskResults, record: dict[str, Any], *, title: str) -> None: ...
+
+
+class NeedleTask:
+    """``[eval_tasks] needle``: the needle grid of ``longalign eval needle --score logprob``."""
+
+    name = "needle"
+
+    def __init__(self, settings: NeedleTaskConfig, tokenizer) -> None:
+        haystack = Path(settings.haystack) if settings.haystack else None
+        pool = nd.haystack_pool(tokenizer, haystack, seed=settings.seed, tokens=max(settings.lengths))
+        self.cases = nd.build_cases(
+            tokenizer,
+            pool,
+            lengths=settings.lengths,
+            depths=settings.depths,
+            samples=settings.samples_per_cell,
+            seed=settings.seed,
+            with_answer_prefix=True,
+            lengths_setting="eval_tasks.needle.lengths",
+        )
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.every_steps = settings.every_steps
+        self.sequences = [(c.prompt.input_ids, c.answer_ids) for c in self.cases]
+        self.pack_tokens = settings.pack_tokens or nd.default_pack_tokens(self.cases)
+
+    def results(self, scores: Sequence[AnswerScore]) -> TaskResults:
+        rows = nd.logprob_rows(self.cases, scores, self.tokenizer)
+        summary = {**nd.summary(rows), "score": "logprob"}
+        metrics = {
+            f"{PREFIX}/needle": summary["overall"],
+            f"{PREFIX}/needle/logprob": summary["mean_logprob"],
+            **{f"{PREFIX}/needle/{length}": score for length, score in summary["by_length"].items()},
+        }
+        return TaskResults(rows, summary, metrics)
+
+    def write(self, directory: Path, results: TaskResults, record: dict[str, Any], *, title: str) -> None:
+        write_outputs(
+            directory,
+            results.rows,
+            results.summary,
+            record,
+            stage="eval needle",
+            extra_files={"summary.csv": nd.summary_csv(results.summary)},
+            plot=lambda d: nd.plot_heatmap(results.summary, d / "heatmap.png", title=title),
+        )
+
+
+TASKS = {"needle": NeedleTask}  # [eval_tasks] key -> the task built from its table
+
+
+def build_tasks(config: EvalTasksConfig, tokenizer, *, context_limit: int | None) -> list[ScoredTask]:
+    """Every task of ``[eval_tasks]`` with its prompts, built once; a length over ``context_limit`` is refused."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(
+            "[eval_tasks]: the run's tokenizer has no chat template, which the prompts are built with"
+        )
+    tasks = [TASKS[name](settings, tokenizer) for name, settings in config.tasks().items()]
+    for task in tasks:
+        longest = max(len(prompt) + len(answer) for prompt, answer in task.sequences)
+        if context_limit is not None and longest > context_limit:
+            raise ConfigError(
+                f"eval_tasks.{task.name}.lengths: prompts of up to {longest} tokens with their answers are over the "
+                f"model's limit of {context_limit} (max_position_embeddings)"
+            )
+    return tasks
+
+
+def plan(tasks: Sequence[ScoredTask], world_size: int) -> list[str]:
+    """What one evaluation of each task costs, a line each:
+
+    ``needle every 200 steps: 44 prompts, 180,224 tokens in 12 rows of up to 16,416 (6 forwards per rank)``
+    """
+    lines = []
+    for task in tasks:
+        lengths = [len(prompt) + len(answer) - 1 for prompt, answer in task.sequences]
+        rows = nd.pack_rows(lengths, task.pack_tokens)
+        lines.append(
+            f"{task.name} every {task.every_steps} steps: {len(lengths)} prompts, {sum(lengths):,} tokens in "
+            f"{len(rows)} rows of up to {task.pack_tokens:,} ({math.ceil(len(rows) / world_size)} forwards per rank)"
+        )
+    return lines
+
+
+class EvalTasksCallback(TrainerCallback):
+    """Scores ``tasks`` with the trainer's model at step 0 (``on_start``) and every task's ``every_steps``.
+
+    Every rank takes part in every forward (a rank short of rows repeats one and drops its result), in eval
+    mode, without gradients or a KV cache, and a model that splits packs over ranks attends whole rows
+    (``longalign.patch.whole_rows``); so ZeRO-3, FSDP and sequence parallelism run it as DDP does.
+
+        trainer.add_callback(EvalTasksCallback(trainer, build_tasks(cfg.eval_tasks, tokenizer, context_limit=8192)))
+    """
+
+    def __init__(self, trainer, tasks: Sequence[ScoredTask], *, on_start: bool = True) -> None:
+        self.trainer = trainer
+        self.tasks = list(tasks)
+        self.on_start = on_start
+        self.first_done = False
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            for line in plan(self.tasks, args.world_size):
+                print(f"{PREFIX}: {line}", flush=True)
+        if self.on_start and state.global_step == 0:  # a resume has been scored at its step already
+            self.evaluate(0, self.tasks)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        due = [task for task in self.tasks if state.global_step % task.every_steps == 0]
+        if due:
+            self.evaluate(state.global_step, due)
+
+    def evaluate(self, step: int, tasks: Sequence[ScoredTask]) -> dict[str, float]:
+        """Score ``tasks`` now, log their numbers and (rank 0) write their files; the numbers logged."""
+        trainer = self.trainer
+        model = trainer.model
+        was_training = model.training
+        model.eval()
+        done: list[tuple[ScoredTask, TaskResults, float]] = []
+        try:
+            with longalign.patch.whole_rows(trainer.accelerator.unwrap_model(model)):
+                for task in tasks:
+                    start = time.perf_counter()
+                    scores = nd.score_answers_across_ranks(
+                        model,
+                        task.sequences,
+                        pack_tokens=task.pack_tokens,
+                        lockstep=True,
+                        every_rank=True,
+                        device=trainer.args.device,
+                    )
+                    done.append((task, task.results(scores), time.perf_counter() - start))
+        finally:
+            model.train(was_training)
+        logs: dict[str, float] = {}
+        for task, results, seconds in done:
+            results.summary.update(seconds=round(seconds, 3), step=step)
+            logs.update({name: value for name, value in results.metrics.items() if value is not None})
+            if rank_and_world()[0] == 0:
+                record = {"task": task.name, "step": step, "settings": dataclasses.asdict(task.settings)}
+                title = f"{Path(trainer.args.output_dir).name} step {step} (logprob)"
+                task.write(Path(trainer.args.output_dir) / PREFIX / f"step-{step}" / task.name, results, record,
+                           title=title)  # fmt: skip
+        if not self.first_done and trainer.is_world_process_zero():
+            each = ", ".join(f"{task.name} {seconds:.1f} s" for task, _, seconds in done)
+            print(f"{PREFIX}: the first evaluation (step {step}) took {each}", flush=True)
+        self.first_done = True
+        trainer.log(logs)
+        return logs
+
+
+def plot_scores(log_history: Sequence[dict[str, Any]], path: Path, *, title: str) -> None:
+    """The logged ``eval_tasks/`` numbers against the step: each task's score, and its mean log-probability."""
+    from matplotlib.figure import Figure  # no pyplot, no display
+
+    entries = [e for e in log_history if any(k.startswith(f"{PREFIX}/") for k in e)]
+    names = sorted({k for e in entries for k in e if k.startswith(f"{PREFIX}/")})
+    scores = [n for n in names if n.count("/") == 1 or n.rsplit("/", 1)[1].isdigit()]
+    logprobs = [n for n in names if n.endswith("/logprob")]
+    panels = [(scores, "score (0-100)"), (logprobs, "mean log-probability of the answer")]
+    panels = [(keys, label) for keys, label in panels if keys]
+    figure = Figure(figsize=(4.2 * len(panels), 3.2), layout="constrained")
+    axes = figure.subplots(1, len(panels), squeeze=False)[0]
+    for ax, (keys, label) in zip(axes, panels, strict=True):
+        for key in keys:
+            points = [(e["step"], e[key]) for e in entries if key in e]
+            ax.plot(
+                *zip(*points, strict=True), marker="o", markersize=3, label=key.removeprefix(f"{PREFIX}/")
+            )
+        ax.set(xlabel="optimizer step", ylabel=label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    figure.suptitle(title)
+    figure.savefig(path, dpi=100)
