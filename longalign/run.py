@@ -575,8 +575,9 @@ def dry_run(cfg: Config) -> dict[str, Any]:
     """Everything but the training, as far as this machine can check it, with no download.
 
     Returns ``{"settings": [(key, value, source), ...], "data": {"train": {...}, "eval": {...}},
-    "needs_gpu": [...], "not_checked": [...]}``: each data entry has the packed directory and the
-    pre-tokenize and pack reports (those that exist). No model weights are loaded; the vocabulary check
+    "eval_tasks": [...], "needs_gpu": [...], "not_checked": [...]}``: each data entry has the packed
+    directory and the pre-tokenize and pack reports (those that exist); ``eval_tasks`` what one evaluation
+    of each task of ``[eval_tasks]`` costs, its prompts built. No model weights are loaded; the vocabulary check
     reads the model's config alone. What cannot be checked here is listed, one line each, instead of
     failing: settings that need a GPU on a machine without one (``needs_gpu``), and a tokenizer or model
     config that is neither a local directory nor in the Hugging Face cache, or data files that are not
@@ -586,7 +587,8 @@ def dry_run(cfg: Config) -> dict[str, Any]:
     not_checked: list[str] = []
     try:
         tokenizer = _local_tokenizer(cfg, not_checked)
-        vocab_size = _local_vocab_size(cfg, not_checked)
+        text_config = _local_text_config(cfg, not_checked)
+        vocab_size = text_config.vocab_size if text_config is not None else None
         data = {}
         for which in ("train", "eval") if cfg.data.eval_file else ("train",):
             sources = cfg.data.train_sources() if which == "train" else [Source(cfg.data.eval_file)]
@@ -611,9 +613,18 @@ def dry_run(cfg: Config) -> dict[str, Any]:
                 read_report(tokenized) if tokenized and (tokenized / REPORT_NAME).exists() else None
             )
             data[which] = {"path": str(path), **reports}
+        tasks = []
+        if cfg.eval_tasks is not None and tokenizer is None:
+            not_checked.append("eval_tasks: the prompts are built with the tokenizer; not built")
+        elif cfg.eval_tasks is not None:
+            from longalign.eval.in_training import build_tasks, plan
+
+            limit = getattr(text_config, "max_position_embeddings", None)
+            tasks = plan(build_tasks(cfg.eval_tasks, tokenizer, context_limit=limit), args.world_size)
         return {
             "settings": resolved_settings(cfg),
             "data": data,
+            "eval_tasks": tasks,
             "needs_gpu": needs_gpu,
             "not_checked": not_checked,
         }
@@ -677,8 +688,8 @@ def _local_tokenizer(cfg: Config, not_checked: list[str]):
     )
 
 
-def _local_vocab_size(cfg: Config, not_checked: list[str]) -> int | None:
-    """The model's vocabulary size from its config, read locally; ``None`` (and a line in ``not_checked``) if absent."""
+def _local_text_config(cfg: Config, not_checked: list[str]):
+    """The model's (text) config, read locally; ``None`` (and a line in ``not_checked``) if absent."""
     name = cfg.model.model_name_or_path
     if cfg.model.init_from_config is None:
         where = checkpoints.local_dir(name)
@@ -689,7 +700,7 @@ def _local_vocab_size(cfg: Config, not_checked: list[str]) -> int | None:
             )
             return None
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, model_name_or_path=str(where)))
-    return model_config(cfg).get_text_config().vocab_size
+    return model_config(cfg).get_text_config()
 
 
 def _missing(path: str) -> bool:

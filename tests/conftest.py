@@ -211,6 +211,21 @@ def launch(
     return run_process(cmd, env=environment, timeout=timeout, cwd=cwd)
 
 
+def launch_with_config(
+    accelerate_config: str, *args: str, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """``accelerate launch --config_file configs/accelerate/<accelerate_config>`` on 2 ranks, as a user would.
+
+    Each rank runs on CPU by the demo run file's ``use_cpu``, or by the launcher's ``ACCELERATE_USE_CPU``
+    when ``env`` sets it (what ``--cpu`` does).
+    """
+    cmd = [str(LAUNCHER), "launch", "--config_file", str(ROOT / "configs" / "accelerate" / accelerate_config),
+           "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", "0", *args]  # fmt: skip
+    return run_process(
+        cmd, timeout=timeout, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    )
+
+
 def demo_overrides(output_dir: Path, train_file: Path | str) -> list[str]:
     """Overrides that point the demo config at test data and output, with the shipped tokenizer."""
     return [

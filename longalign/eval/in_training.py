@@ -143,7 +143,8 @@ def plan(tasks: Sequence[ScoredTask], world_size: int) -> list[str]:
         lengths = [len(prompt) + len(answer) - 1 for prompt, answer in task.sequences]
         rows = nd.pack_rows(lengths, task.pack_tokens)
         lines.append(
-            f"{task.name} every {task.every_steps} steps: {len(lengths)} prompts, {sum(lengths):,} tokens in "
+            f"{task.name} every {task.every_steps} step{'s' * (task.every_steps != 1)}: {len(lengths)} prompts, "
+            f"{sum(lengths):,} tokens in "
             f"{len(rows)} rows of up to {task.pack_tokens:,} ({math.ceil(len(rows) / world_size)} forwards per rank)"
         )
     return lines
@@ -217,25 +218,38 @@ class EvalTasksCallback(TrainerCallback):
 
 
 def plot_scores(log_history: Sequence[dict[str, Any]], path: Path, *, title: str) -> None:
-    """The logged ``eval_tasks/`` numbers against the step: each task's score, and its mean log-probability."""
+    """``trainer_state.json``'s ``eval_tasks/`` numbers against the step: scores, then mean log-probabilities.
+
+    Each task's score and its score per length on the left, its mean log-probability on the right, the
+    value at step 0 (the model as the run started) drawn across as a dashed line.
+    """
     from matplotlib.figure import Figure  # no pyplot, no display
 
-    entries = [e for e in log_history if any(k.startswith(f"{PREFIX}/") for k in e)]
-    names = sorted({k for e in entries for k in e if k.startswith(f"{PREFIX}/")})
-    scores = [n for n in names if n.count("/") == 1 or n.rsplit("/", 1)[1].isdigit()]
-    logprobs = [n for n in names if n.endswith("/logprob")]
-    panels = [(scores, "score (0-100)"), (logprobs, "mean log-probability of the answer")]
+    entries = [e for e in log_history if any(key.startswith(f"{PREFIX}/") for key in e)]
+    names = sorted({key for e in entries for key in e if key.startswith(f"{PREFIX}/")}, key=_plot_order)
+    panels = [
+        ([n for n in names if not n.endswith("/logprob")], "score (0-100)"),
+        ([n for n in names if n.endswith("/logprob")], "mean log-probability of the answer"),
+    ]
     panels = [(keys, label) for keys, label in panels if keys]
-    figure = Figure(figsize=(4.2 * len(panels), 3.2), layout="constrained")
+    figure = Figure(figsize=(4.6 * len(panels), 3.4), layout="constrained")
     axes = figure.subplots(1, len(panels), squeeze=False)[0]
     for ax, (keys, label) in zip(axes, panels, strict=True):
         for key in keys:
-            points = [(e["step"], e[key]) for e in entries if key in e]
-            ax.plot(
-                *zip(*points, strict=True), marker="o", markersize=3, label=key.removeprefix(f"{PREFIX}/")
-            )
+            steps, values = zip(*[(e["step"], e[key]) for e in entries if key in e], strict=True)
+            (line,) = ax.plot(steps, values, marker="o", markersize=3, label=key.removeprefix(f"{PREFIX}/"))
+            if steps[0] == 0:
+                ax.axhline(values[0], color=line.get_color(), linestyle="--", linewidth=0.8, alpha=0.6)
         ax.set(xlabel="optimizer step", ylabel=label)
+        if label.startswith("score"):
+            ax.set_ylim(-4, 104)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     figure.suptitle(title)
     figure.savefig(path, dpi=100)
+
+
+def _plot_order(name: str) -> tuple[str, int]:
+    """A task's overall number first, then its lengths in order: needle, needle/256, needle/1024."""
+    task, _, rest = name.removeprefix(f"{PREFIX}/").partition("/")
+    return task, int(rest) if rest.isdigit() else -1
