@@ -428,8 +428,8 @@ COMMANDS = {
         datagen.run,
     ),
     "eval": Command(
-        "evaluate a model: needle heatmap, judged long chat, long-writing length score",
-        "Evaluate a trained model: longalign eval needle|chat|write --help for each task.",
+        "evaluate a model: needle heatmap, RULER, judged long chat, long-writing length score",
+        "Evaluate a trained model: longalign eval needle|ruler|chat|write --help for each task.",
         eval_commands.add_arguments,
         eval_commands.run,
     ),

@@ -122,6 +122,37 @@ def assert_relatively_close(actual, expected, bound: float = FLOAT32_BOUND) -> N
     assert error <= bound, f"relative error {error:.3g} > {bound:g}"
 
 
+def save_tiny_model(path: Path, *, max_position_embeddings: int) -> Path:
+    """A tiny random Llama with the shipped tokenizer, saved at ``path`` as a run saves its output."""
+    tiny_model("llama", vocab_size=4096, max_position_embeddings=max_position_embeddings).save_pretrained(
+        path
+    )
+    AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(path)
+    return path
+
+
+def assert_packed_scoring_is_exact(sequences: list[tuple[list[int], list[int]]], *, pack_tokens: int) -> None:
+    """``score_answers`` in packed rows == one prompt at a time == the plain model's full logits (float64)."""
+    from longalign.eval.needle import score_answers
+
+    plain = tiny_model("llama", vocab_size=4096, max_position_embeddings=1024).double().eval()
+    reference = []
+    with torch.inference_mode():
+        for prompt, answer in sequences:
+            logits = plain(input_ids=torch.tensor([prompt + answer])).logits[0]
+            logprobs = torch.log_softmax(logits[len(prompt) - 1 : -1], -1)
+            reference.append(float(logprobs.gather(1, torch.tensor(answer)[:, None]).mean()))
+    model = tiny_model(
+        "llama", vocab_size=4096, max_position_embeddings=1024, backend="sdpa_segments"
+    ).double()
+    alone = score_answers(model.eval(), sequences, pack_tokens=1)
+    packed = score_answers(model, sequences, pack_tokens=pack_tokens)
+    for one, many, ref in zip(alone, packed, reference, strict=True):
+        assert one.logprob == pytest.approx(ref, rel=1e-10)
+        assert many.logprob == pytest.approx(ref, rel=1e-10)
+        assert (one.greedy, one.predicted) == (many.greedy, many.predicted)
+
+
 def pack_row(samples: list[tuple[list[int], list[int]]]) -> dict[str, list[int]]:
     """One pack row from ``(input_ids, labels)`` samples, as the pack stage writes it."""
     seq_lens = [len(ids) for ids, _ in samples]

@@ -25,6 +25,7 @@ from conftest import (
     needs_deepspeed,
     needs_launcher,
     save_packs,
+    save_tiny_model,
     tiny_model,
 )
 from transformers import AutoTokenizer, TrainerCallback, TrainingArguments
@@ -72,9 +73,7 @@ def test_rows_deal_unevenly_over_two_ranks(tokenizer):
 
 def test_a_task_writes_and_logs_what_the_command_writes(tokenizer, tmp_path):
     """The same settings as the command's flags: the same prompts, rows, scores and files."""
-    saved = tmp_path / "model"
-    sample_model().save_pretrained(saved)
-    tokenizer.save_pretrained(saved)
+    saved = save_tiny_model(tmp_path / "model", max_position_embeddings=1024)
     args = ["eval", "needle", "--model", str(saved), "--score", "logprob", *COMMAND_GRID, "--seed", "3",
             "--dtype", "float64", "--attn-backend", "sdpa_segments", "--output", str(tmp_path / "command")]  # fmt: skip
     assert main(args) == 0
@@ -157,6 +156,26 @@ def test_the_callback_scores_at_its_steps_logs_writes_and_gives_the_model_back(t
     out = capsys.readouterr().out
     assert out.count("eval_tasks: needle every 2 steps: 6 prompts") == 1
     assert out.count("eval_tasks: the first evaluation (step 0) took needle") == 1
+
+
+def test_the_logged_scores_are_drawn_against_the_step(tmp_path):
+    history = [
+        {
+            "eval_tasks/needle": 0.0,
+            "eval_tasks/needle/logprob": -8.3,
+            "eval_tasks/needle/256": 0.0,
+            "step": 0,
+        },
+        {"loss": 2.0, "step": 10},
+        {
+            "eval_tasks/needle": 50.0,
+            "eval_tasks/needle/logprob": -1.2,
+            "eval_tasks/needle/256": 60.0,
+            "step": 20,
+        },
+    ]
+    plot_scores(history, tmp_path / "curve.png", title="tiny")
+    assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 # --- on two ranks, against the command on each checkpoint ------------------------------------------------

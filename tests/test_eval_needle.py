@@ -8,7 +8,14 @@ import re
 import peft
 import pytest
 import torch
-from conftest import FLOAT32_BOUND, TOKENIZER, assert_relatively_close, tiny_model
+from conftest import (
+    FLOAT32_BOUND,
+    TOKENIZER,
+    assert_packed_scoring_is_exact,
+    assert_relatively_close,
+    save_tiny_model,
+    tiny_model,
+)
 from transformers import AutoModelForCausalLM, AutoTokenizer, GlmConfig, GlmForCausalLM
 
 from longalign.checkpoints import convert
@@ -130,34 +137,13 @@ def test_a_failed_request_is_counted_not_scored(tokenizer, pool):
     assert (summary["overall"], summary["n"], summary["failed"]) == (100.0, 2, 1)
 
 
-def _reference_logprobs(model, sequences):
-    """Each sequence alone through the unpatched model, full logits."""
-    out = []
-    for prompt, answer in sequences:
-        logits = model(input_ids=torch.tensor([prompt + answer])).logits[0]
-        logprobs = torch.log_softmax(logits[len(prompt) - 1 : -1], -1)
-        out.append(float(logprobs.gather(1, torch.tensor(answer)[:, None]).mean()))
-    return out
-
-
 def test_packed_scoring_equals_one_prompt_at_a_time_and_the_plain_model(tokenizer, pool):
     cases = grid(
         tokenizer, pool, lengths=[120, 200, 310], depths=[0, 50, 100], samples=1, with_answer_prefix=True
     )
     sequences = [(c.prompt.input_ids, c.answer_ids) for c in cases]
-    plain = tiny_model("llama", vocab_size=4096, max_position_embeddings=1024).double().eval()
-    with torch.inference_mode():
-        reference = _reference_logprobs(plain, sequences)
-    model = tiny_model(
-        "llama", vocab_size=4096, max_position_embeddings=1024, backend="sdpa_segments"
-    ).double()
-    alone = nd.score_answers(model.eval(), sequences, pack_tokens=1)
-    packed = nd.score_answers(model, sequences, pack_tokens=1000)
     assert len(nd.pack_rows([len(p) + len(a) - 1 for p, a in sequences], 1000)) == 2  # 9 prompts in 2 rows
-    for one, many, ref in zip(alone, packed, reference, strict=True):
-        assert one.logprob == pytest.approx(ref, rel=1e-10)
-        assert many.logprob == pytest.approx(ref, rel=1e-10)
-        assert (one.greedy, one.predicted) == (many.greedy, many.predicted)
+    assert_packed_scoring_is_exact(sequences, pack_tokens=1000)
 
 
 def test_scoring_is_100_when_greedy_decoding_gives_the_answer(tokenizer, pool):
@@ -214,10 +200,7 @@ def test_batched_generation_equals_one_prompt_at_a_time(tokenizer, pool):
 @pytest.fixture(scope="module")
 def saved_model(tmp_path_factory):
     """A tiny random Llama with the sample tokenizer, saved as a run saves its output (positions up to 512)."""
-    path = tmp_path_factory.mktemp("model")
-    tiny_model("llama", vocab_size=4096, max_position_embeddings=512).save_pretrained(path)
-    AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(path)
-    return path
+    return save_tiny_model(tmp_path_factory.mktemp("model"), max_position_embeddings=512)
 
 
 def test_logprob_grid_from_the_command_line(saved_model, tmp_path, capsys):

@@ -1,7 +1,8 @@
-"""``longalign eval needle|chat|write``: the flags of each task and the run from flags to an output directory.
+"""``longalign eval needle|ruler|chat|write``: the flags of each task and the run from flags to an output directory.
 
     longalign eval needle --model out/run --lengths 1000,2000,4000 --output out/eval/needle
     longalign eval needle --model out/run --lengths 1000,2000,4000 --score logprob --output out/eval/needle-lp
+    longalign eval ruler --model out/run --lengths 4k,8k,16k --samples-per-task 50 --output out/eval/ruler
     longalign eval chat --model out/run --data longbench_chat.jsonl --judge-base-url URL --judge-model M --output DIR
     longalign eval write --backend openai --base-url URL --served-model M --tokenizer out/run --data w.jsonl ...
     accelerate launch -m longalign eval needle --model out/run ...      # prompts shared out; rank 0 writes
@@ -13,6 +14,7 @@ key's variable named, never the key) into ``--output`` by the rules of every sta
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import time
@@ -45,7 +47,7 @@ def _non_negative_float(text: str) -> float:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``needle``, ``chat`` and ``write`` subcommands under ``parser``."""
+    """The ``needle``, ``ruler``, ``chat`` and ``write`` subcommands under ``parser``."""
     tasks = parser.add_subparsers(dest="task", required=True, metavar="TASK")
     for name, (summary, description, add_task_arguments) in TASKS.items():
         sub = tasks.add_parser(
@@ -122,6 +124,10 @@ def _needle_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--answer-prefix", default="", help="how an answer to --question begins (--score logprob)"
     )
+    _score_arguments(parser)
+
+
+def _score_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--score",
         choices=("generate", "logprob"),
@@ -137,6 +143,38 @@ def _needle_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--attn-backend", default="auto", help="--score logprob: the varlen attention backend"
     )
+
+
+def _ruler_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--lengths",
+        default="4k,8k,16k,32k,64k,128k",
+        help="prompt lengths in tokens, chat template (and answer prefix) included (4k = 4096)",
+    )
+    parser.add_argument(
+        "--tasks",
+        help="comma-separated task names (default: every task whose file is given; with --score logprob, "
+        "those whose answer has one order)",
+    )
+    parser.add_argument(
+        "--samples-per-task", type=_positive_int, default=100, help="prompts per task and length"
+    )
+    parser.add_argument(
+        "--haystack",
+        type=Path,
+        help="essay text: a .txt file or a directory of them (default: generated filler sentences)",
+    )
+    parser.add_argument("--squad", type=Path, help="qa_squad: SQuAD's JSON (e.g. dev-v2.0.json)")
+    parser.add_argument(
+        "--hotpot", type=Path, help="qa_hotpot: HotpotQA's JSON (e.g. hotpot_dev_distractor_v1.json)"
+    )
+    parser.add_argument(
+        "--threshold",
+        type=_non_negative_float,
+        help="the effective length is the longest up to which every average is at least this "
+        "(default: 85.6, RULER's)",
+    )
+    _score_arguments(parser)
 
 
 def _chat_arguments(parser: argparse.ArgumentParser) -> None:
@@ -285,6 +323,32 @@ def _write_outputs(
     )
 
 
+def _teacher_forced(
+    session: Session, cases: Sequence[Any], *, row: Callable, progress: str
+) -> list[dict[str, Any]] | None:
+    """``--score logprob``: every case's answer read in packed rows of the local model; the rows on rank 0.
+
+    ``cases`` carry ``length``, ``prompt`` and ``answer_ids``; ``row(case, score, tokenizer)`` makes each
+    result row. The packed rows are dealt over the ranks, not the prompts: the same rows, so the same
+    scores, on any number of ranks, and in a training run's ``[eval_tasks]``.
+    """
+    from longalign.eval.models import check_fits, context_limit
+    from longalign.eval.needle import default_pack_tokens, score_answers_across_ranks
+
+    args = session.args
+    model = session.load_model(packed=True, attn_backend=args.attn_backend)
+    check_fits([len(c.prompt.input_ids) + len(c.answer_ids) for c in cases], context_limit(model))
+    scores = score_answers_across_ranks(
+        model,
+        [(c.prompt.input_ids, c.answer_ids) for c in cases],
+        pack_tokens=args.pack_tokens or default_pack_tokens(cases),
+        progress=progress,
+    )
+    return (
+        None if scores is None else [row(c, s, session.tokenizer) for c, s in zip(cases, scores, strict=True)]
+    )
+
+
 def _check_output(args: argparse.Namespace, *, inputs: Sequence[str]) -> None:
     """Refuse a bad ``--output`` before any work (the same rule holds again when it is written)."""
     from longalign.artifacts import check_output
@@ -346,19 +410,7 @@ def _run_needle(args: argparse.Namespace) -> int:
     )
     started = time.perf_counter()
     if logprob:
-        from longalign.eval.models import check_fits, context_limit
-
-        model = session.load_model(packed=True, attn_backend=args.attn_backend)
-        check_fits([len(c.prompt.input_ids) + len(c.answer_ids) for c in cases], context_limit(model))
-        # The rows are dealt over the ranks, not the prompts: the same rows, so the same scores, on any
-        # number of ranks (and in a training run's [eval_tasks]).
-        scores = nd.score_answers_across_ranks(
-            model,
-            [(c.prompt.input_ids, c.answer_ids) for c in cases],
-            pack_tokens=args.pack_tokens or nd.default_pack_tokens(cases),
-            progress="needle (rows)",
-        )
-        rows = None if scores is None else nd.logprob_rows(cases, scores, session.tokenizer)
+        rows = _teacher_forced(session, cases, row=nd.logprob_row, progress="needle (rows)")
     else:
         generator = session.generator([len(c.prompt.input_ids) for c in cases])
 
@@ -384,6 +436,90 @@ def _run_needle(args: argparse.Namespace) -> int:
     overall = "n/a" if summary["overall"] is None else f"{summary['overall']:.1f}"
     extra = f", mean log-probability {summary['mean_logprob']:.3f}" if "mean_logprob" in summary else ""
     print(f"needle: {len(rows)} prompts in {seconds:.1f} s, score {overall}{extra}; wrote {args.output}")
+    return 0
+
+
+# --- ruler -------------------------------------------------------------------------------------------------
+
+
+def _run_ruler(args: argparse.Namespace) -> int:
+    from longalign.eval import ruler
+    from longalign.eval.ranks import across_ranks
+
+    lengths = parse_lengths(args.lengths)
+    logprob = args.score == "logprob"
+    if logprob and args.backend == "openai":
+        raise ConfigError("--score logprob: needs the model's weights (--backend transformers)")
+    squad = ruler.read_squad(args.squad) if args.squad else None
+    hotpot = ruler.read_hotpot(args.hotpot) if args.hotpot else None
+    tasks = ruler.select_tasks(args.tasks, squad=squad, hotpot=hotpot, logprob=logprob)
+    threshold = ruler.THRESHOLD if args.threshold is None else args.threshold
+    files = (args.haystack, args.squad, args.hotpot)
+    _check_output(args, inputs=_local_inputs(args, *files))
+    new_tokens = {task: args.max_new_tokens or ruler.TASKS[task].new_tokens for task in tasks}
+    session = Session(args, default_new_tokens=max(new_tokens.values()))
+    cases = ruler.build_instances(
+        session.tokenizer,
+        tasks=tasks,
+        lengths=lengths,
+        samples_per_task=args.samples_per_task,
+        seed=args.seed,
+        haystack=args.haystack,
+        squad=squad,
+        hotpot=hotpot,
+        # a chat server cannot be handed the start of its answer: served prompts end at the generation prompt
+        with_answer_prefix=args.backend == "transformers",
+    )
+    started = time.perf_counter()
+    if logprob:
+        rows = _teacher_forced(session, cases, row=ruler.logprob_row, progress="ruler (rows)")
+    else:
+        generator = session.generator([len(c.prompt.input_ids) for c in cases])
+
+        def work(mine):
+            replies = [None] * len(mine)
+            for budget in sorted(set(new_tokens.values())):
+                group = [i for i, c in enumerate(mine) if new_tokens[c.task] == budget]
+                if not group:
+                    continue
+                generator.max_new_tokens = budget  # one generator (one model load), each task's own budget
+                found = generator.generate(
+                    [mine[i].prompt for i in group], progress=f"ruler ({budget} tokens)"
+                )
+                for i, reply in zip(group, found, strict=True):
+                    replies[i] = reply
+            return [ruler.generation_row(c, r) for c, r in zip(mine, replies, strict=True)]
+
+        rows = across_ranks(cases, work)
+    if rows is None:
+        return 0
+    seconds = time.perf_counter() - started
+    summary = {**ruler.summary(rows, threshold=threshold), "score": args.score, "seconds": round(seconds, 3)}
+    extra = {
+        "wonderwords": importlib.metadata.version("wonderwords"),  # its word lists make the prompts
+        "lengths": lengths,
+        "tasks": tasks,
+        "threshold": threshold,
+        "new_tokens": new_tokens,
+        "answer_prefix": args.backend == "transformers",
+        "qa_skipped": {name: data.skipped for name, data in (("squad", squad), ("hotpot", hotpot)) if data},
+    }
+    title = f"{args.model or args.served_model} ({args.score})"
+    _write_outputs(
+        args,
+        _local_inputs(args, *files),
+        rows,
+        summary,
+        session.record(extra),
+        plot=lambda d: ruler.plot_heatmap(summary, d / "ruler.png", title=title),
+        extra_files={"summary.csv": ruler.summary_csv(summary)},
+    )
+    averages = ", ".join(
+        f"{length} {'n/a' if value is None else f'{value:.1f}'}"
+        for length, value in summary["average_by_length"].items()
+    )
+    print(f"ruler: {len(rows)} prompts in {seconds:.1f} s; average by length: {averages}; effective length "
+          f"{summary['effective_length'] or 'none'} (threshold {threshold:g}); wrote {args.output}")  # fmt: skip
     return 0
 
 
@@ -493,6 +629,19 @@ TASKS = {
         "7-digit value. --score logprob generates nothing: one teacher-forced forward per prompt, packed rows.",
         _needle_arguments,
     ),
+    "ruler": (
+        "RULER's synthetic tasks: retrieval, tracing, aggregation, QA; the effective length",
+        "RULER's synthetic tasks (niah_single_1-3, niah_multikey_1-3, niah_multivalue, niah_multiquery, vt, cwe,\n"
+        "fwe; qa_squad and qa_hotpot with --squad / --hotpot) at each of --lengths; writes results.jsonl,\n"
+        "summary.json, summary.csv and ruler.png (tasks x lengths, with the average).\n\n"
+        "    longalign eval ruler --model out/run --lengths 4k,8k,16k,32k --samples-per-task 50 --output out/eval/ruler\n"
+        "    longalign eval ruler --model out/run --lengths 4k,8k --score logprob --output out/eval/ruler-lp\n\n"
+        "Every prompt is built in token ids and is exactly --lengths tokens, chat template and the task's answer\n"
+        "prefix included (served prompts end at the generation prompt). A reply scores the share of the\n"
+        "references it contains x 100 (QA: 100 if it contains any). The effective length is the longest length\n"
+        "up to which the average over the tasks stays at or above --threshold. Nothing is downloaded.",
+        _ruler_arguments,
+    ),
     "chat": (
         "LongBench-Chat style: answers rated 1-10 by a judge model",
         "The model answers each row's prompt; a judge model rates the answer 1-10 against the reference,\n"
@@ -511,4 +660,4 @@ TASKS = {
         _write_arguments,
     ),
 }
-RUNNERS = {"needle": _run_needle, "chat": _run_chat, "write": _run_write}
+RUNNERS = {"needle": _run_needle, "ruler": _run_ruler, "chat": _run_chat, "write": _run_write}

@@ -184,7 +184,7 @@ def build_cases(
                         f"{lengths_setting} {length}: too short for the needle, question and chat template "
                         f"({fixed} tokens without any haystack)"
                     )
-                sentences = _sentences_from(pool, rng.randrange(len(pool)), haystack_len)
+                sentences = sentences_from(pool, rng.randrange(len(pool)), haystack_len)
                 haystack = [t for s in sentences for t in s][:haystack_len]
                 cut = nearest_boundary([len(s) for s in sentences], haystack_len, depth)
                 content = [*intro, *haystack[:cut], *needle_ids, *haystack[cut:], *question]
@@ -205,7 +205,7 @@ def build_cases(
     return cases
 
 
-def _sentences_from(pool: list[list[int]], start: int, tokens: int) -> list[list[int]]:
+def sentences_from(pool: list[list[int]], start: int, tokens: int) -> list[list[int]]:
     """Sentences of ``pool`` from ``start`` on, wrapping around, until they hold ``tokens`` tokens."""
     taken, total, i = [], 0, start
     while total < tokens:
@@ -267,8 +267,9 @@ def pack_rows(lengths: Sequence[int], pack_tokens: int) -> list[list[int]]:
     return rows
 
 
-def default_pack_tokens(cases: Sequence[NeedleCase]) -> int:
-    """Tokens per packed row when none are asked: the longest prompt with its answer."""
+def default_pack_tokens(cases: Sequence) -> int:
+    """Tokens per packed row when none are asked: the longest prompt with its answer (cases with ``length``
+    and ``answer_ids``: a ``NeedleCase``, a ruler case)."""
     return max(c.length for c in cases) + max(len(c.answer_ids) for c in cases)
 
 

@@ -1,0 +1,576 @@
+"""RULER: exact lengths with several tokenizers, references a solver finds in the prompt, seeds, scoring, the
+effective length, servers that solve or half-read, teacher-forced scoring; all with the network blocked."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import string
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from conftest import TOKENIZER, assert_packed_scoring_is_exact, save_tiny_model
+from openai_stub import OpenAIStub
+from templates import CHATML, with_template
+from transformers import AutoTokenizer
+
+from longalign.cli import main
+from longalign.errors import ConfigError, InputError
+from longalign.eval import needle as nd
+from longalign.eval import ruler
+from longalign.eval.models import Reply, template_frame
+
+KEY = "sk-ruler-test-77c1"
+SYNTHETIC = [t for t, task in ruler.TASKS.items() if task.family != "qa"]
+
+
+@pytest.fixture(autouse=True)
+def no_network(monkeypatch):
+    """Only 127.0.0.1 can be reached: a download (a haystack, a dataset, an NLTK model) fails the test."""
+    original = socket.socket.connect
+
+    def connect(self, address):
+        host = address[0] if isinstance(address, tuple) else address
+        if host not in ("127.0.0.1", "::1", "localhost") and self.family != socket.AF_UNIX:
+            raise OSError(f"network blocked in tests: {address}")
+        return original(self, address)
+
+    monkeypatch.setattr(socket.socket, "connect", connect)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+
+
+def test_the_network_is_blocked():
+    with pytest.raises(OSError, match="network blocked"), socket.socket() as s:
+        s.connect(("93.184.215.14", 80))
+
+
+# --- tokenizers ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(TOKENIZER)
+
+
+@pytest.fixture(scope="module")
+def metaspace_tokenizer():
+    """A SentencePiece-style BPE (Metaspace pre-tokenizer, as Llama 2's) trained here, with a ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    lines = [json.loads(line) for line in (TOKENIZER.parent / "sample.jsonl").read_text().splitlines()]
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(
+        vocab_size=3000,
+        special_tokens=["<unk>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=list(string.printable.strip()),  # every character a prompt holds, no <unk>
+    )
+    backend.train_from_iterator((m["content"] for row in lines for m in row["messages"]), trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<|im_end|>")
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    tok.chat_template = CHATML
+    return tok
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tokenizer, glm_tokenizer, metaspace_tokenizer):
+    return {
+        "llama3": tokenizer,  # byte-level BPE, Llama-3 template
+        "glm4": glm_tokenizer,  # the same vocabulary, GLM-4 template and role tokens
+        "chatml": with_template(tokenizer, CHATML),
+        "metaspace": metaspace_tokenizer,
+    }
+
+
+# --- QA files in the datasets' own formats ------------------------------------------------------------------
+
+
+def vault(n: int) -> tuple[str, str]:
+    return f"The passcode of vault {n} is {n * 7919 % 100000:05d}.", f"{n * 7919 % 100000:05d}"
+
+
+@pytest.fixture(scope="module")
+def qa_files(tmp_path_factory) -> dict[str, Path]:
+    """SQuAD 2.0 and HotpotQA (distractor) JSON whose answers a reader finds by the vault number."""
+    root = tmp_path_factory.mktemp("qa")
+    articles = []
+    for a in range(6):
+        paragraphs = []
+        for p in range(4):
+            n = 10 * a + p
+            text, code = vault(n)
+            qas = [{"id": f"q{n}", "question": f"What is the passcode of vault {n}?", "is_impossible": False,
+                    "answers": [{"text": code, "answer_start": text.index(code)}, {"text": f"{code}.", "answer_start": 0}]},
+                   {"id": f"x{n}", "question": "What is the passcode of the moon?", "is_impossible": True,
+                    "answers": [], "plausible_answers": []}]  # fmt: skip
+            paragraphs.append(
+                {"context": f"Vault {n} sits in hall {a}. {text} It opens at noon.", "qas": qas}
+            )
+        articles.append({"title": f"Hall {a}", "paragraphs": paragraphs})
+    (root / "squad.json").write_text(json.dumps({"version": "v2.0", "data": articles}))
+    rows = []
+    for q in range(8):
+        first, second = 100 + 2 * q, 101 + 2 * q
+        context = [[f"Vault {first}", [f"Vault {first} is kept by vault {second}'s keeper. ", "It is old."]],
+                   [f"Vault {second}", [vault(second)[0] + " ", "It is new."]],
+                   [f"Hall {q}", ["A quiet hall. ", "Nothing is kept here."]]]  # fmt: skip
+        rows.append({"_id": f"h{q}", "question": f"What is the passcode of the vault that keeps vault {first}?",
+                     "answer": vault(second)[1], "context": context, "type": "bridge", "level": "easy",
+                     "supporting_facts": [[f"Vault {first}", 0], [f"Vault {second}", 0]]})  # fmt: skip
+    (root / "hotpot.json").write_text(json.dumps(rows))
+    return {"squad": root / "squad.json", "hotpot": root / "hotpot.json"}
+
+
+@pytest.fixture(scope="module")
+def qa_data(qa_files):
+    return {"squad": ruler.read_squad(qa_files["squad"]), "hotpot": ruler.read_hotpot(qa_files["hotpot"])}
+
+
+def build(tokenizer, qa_data, **settings):
+    defaults = dict(tasks=list(ruler.TASKS), lengths=[1000, 1700], samples_per_task=2, seed=0)
+    return ruler.build_instances(
+        tokenizer, squad=qa_data["squad"], hotpot=qa_data["hotpot"], **{**defaults, **settings}
+    )
+
+
+def one(tokenizer, task: str, length: int, **settings) -> ruler.RulerCase:
+    """The first instance of ``task`` at ``length``, seed 0."""
+    return ruler.build_instances(
+        tokenizer, tasks=[task], lengths=[length], samples_per_task=1, seed=0, **settings
+    )[0]
+
+
+# --- solvers: each family read back out of the prompt's text ------------------------------------------------
+
+NEEDLE = re.compile(r"(\S+) has a special magic (?:number|UUID): (\S+)\.")
+QUERY = re.compile(r"which special magic (?:number|UUID)s? of (.+?) appears? in the text above\?")
+
+
+def solve_niah(text: str, question: str) -> str:
+    keys = re.split(r", and |, | and ", QUERY.search(question)[1])
+    values = [v for key in keys for k, v in NEEDLE.findall(text) if k == key]
+    return ", ".join(values)
+
+
+def solve_vt(text: str, question: str) -> str:
+    value = re.search(r"assigned the value (\d+) in the text above", question)[1]
+    names = re.findall(rf"VAR (\w+) = {value}\b", text)
+    while names and (
+        found := [n for n in re.findall(rf"VAR (\w+) = VAR {names[-1]}\b", text) if n not in names]
+    ):
+        names += found
+    return " ".join(names)
+
+
+def solve_cwe(text: str, question: str) -> str:
+    counts = Counter(re.findall(r"\d+\. (\S+)", text))
+    return " ".join(f"{i + 1}. {w}" for i, (w, _) in enumerate(counts.most_common(10)))
+
+
+def solve_fwe(text: str, question: str) -> str:
+    counts = Counter(w for w in text.split() if re.fullmatch(r"[a-z]{6}", w))
+    return ", ".join(w for w, _ in counts.most_common(3))
+
+
+def solve_qa(text: str, question: str) -> str:
+    wanted = re.search(r"vault (\d+)\?", question)[1]
+    if "keeps vault" in question:  # two hops: the keeper first
+        wanted = re.search(rf"Vault {wanted} is kept by vault (\d+)", text)[1]
+    found = re.search(rf"The passcode of vault {wanted} is (\d+)", text)
+    return found[1] if found else "unknown"
+
+
+SOLVERS = {"niah": solve_niah, "vt": solve_vt, "cwe": solve_cwe, "fwe": solve_fwe, "qa": solve_qa}
+INTROS = ["Keep track of the chain", "The numbered list below", "Count how often", "The documents:",
+          "A special magic", "Special magic"]  # fmt: skip
+
+
+def parts(content: str) -> tuple[str, str]:
+    """The task's text (after the worked example, if any) and its question."""
+    start = max(content.rfind(intro) for intro in INTROS)
+    text, _, question = content[start:].rpartition("\nQuestion:")
+    return text, question
+
+
+def family_of(content: str) -> str:
+    text, question = parts(content)
+    if "variables are assigned" in question:
+        return "vt"
+    if "numbered list" in text[:100]:
+        return "cwe"
+    if "coded word" in question:
+        return "fwe"
+    return "qa" if "documents" in text[:100] else "niah"
+
+
+def solve(content: str, *, first_half: bool = False) -> str:
+    text, question = parts(content)
+    return SOLVERS[family_of(content)](text[: len(text) // 2] if first_half else text, question)
+
+
+# --- instances ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["llama3", "glm4", "chatml", "metaspace"])
+def test_every_task_and_length_is_exact_with_the_chat_template_and_the_prefix(tokenizers, qa_data, name):
+    tok = tokenizers[name]
+    before, after = template_frame(tok)
+    for prefixed in (False, True):
+        cases = build(
+            tok, qa_data, lengths=[1000, 1777, 5000], samples_per_task=1, with_answer_prefix=prefixed
+        )
+        assert len(cases) == 3 * len(ruler.TASKS)
+        assert [len(c.prompt.input_ids) for c in cases] == [c.length for c in cases]
+        for case in cases:
+            ids = case.prompt.input_ids
+            assert ids[: len(before)] == before
+            prefix = tok(case.answer_prefix, add_special_tokens=False).input_ids if prefixed else []
+            assert ids[len(ids) - len(prefix) - len(after) :] == [*after, *prefix], (name, case.task)
+
+
+def test_the_references_are_found_in_the_prompt_and_the_needles_where_the_offsets_say(tokenizers, qa_data):
+    for name, tok in tokenizers.items():
+        for case in build(tok, qa_data):
+            content = case.prompt.messages[0]["content"]
+            assert ruler.score_output(case.task, case.references, solve(content)) == 100.0, (name, case.task)
+            ids = case.prompt.input_ids
+            for offset, reference in zip(case.needle_offsets, case.references, strict=False):
+                shown = tok.decode(ids[offset : offset + 80])
+                if ruler.TASKS[case.task].family == "niah":
+                    assert NEEDLE.match(shown.strip()) and reference in shown, (name, case.task, shown)
+                elif case.task == "vt":
+                    assert shown.strip().startswith(f"VAR {reference} ="), (name, shown)
+                else:
+                    assert shown.startswith("Document "), (name, case.task, shown)
+
+
+def test_needles_sit_at_rulers_depths_and_distractors_never_carry_the_asked_key(tokenizer, qa_data):
+    cases = build(
+        tokenizer, qa_data, tasks=["niah_single_2", "niah_multikey_1", "niah_multikey_2"], samples_per_task=6
+    )
+    depths = set()
+    for case in cases:
+        content = case.prompt.messages[0]["content"]
+        text, question = parts(content)
+        key = QUERY.search(question)[1]
+        assert [v for k, v in NEEDLE.findall(text) if k == key] == case.references
+        if case.task == "niah_multikey_1":
+            assert len(NEEDLE.findall(text)) == 4  # the asked key's needle and 3 of other keys
+        depths.add(round(100 * case.needle_offsets[0] / case.length, -1))
+    assert len(depths) >= 5  # spread over the haystack, not one place
+
+
+def test_cwe_and_fwe_counts_are_rulers(tokenizer):
+    for length, common, rare in ((2000, 6, 1), (4096, 30, 3)):
+        case = one(tokenizer, "cwe", length)
+        text, _ = parts(case.prompt.messages[0]["content"])
+        counts = Counter(re.findall(r"\d+\. (\S+)", text))
+        assert all(counts[w] == common for w in case.references)
+        rest = Counter(c for w, c in counts.items() if w not in case.references)
+        assert max(rest) == rare and rest[rare] > 20  # a few at the end, once, to fill the exact length
+    case = one(tokenizer, "fwe", 3000)
+    text, _ = parts(case.prompt.messages[0]["content"])
+    ranked = Counter(w for w in text.split() if re.fullmatch(r"[a-z]{6}", w)).most_common()
+    assert [w for w, _ in ranked[:3]] == case.references
+    assert ranked[0][1] > ranked[1][1] > ranked[2][1] > ranked[3][1]
+    # RULER's Zipf law: the counts of ranks 2, 3, 4 (rank 1 is the dots) stand as 1/4 : 1/9 : 1/16
+    assert ranked[0][1] / ranked[2][1] == pytest.approx(16 / 4, rel=0.15)
+
+
+def test_the_same_seed_gives_the_same_instances_and_another_seed_others(tokenizer, qa_data):
+    first = build(tokenizer, qa_data, seed=5)
+    again = build(AutoTokenizer.from_pretrained(TOKENIZER), qa_data, seed=5)
+    other = build(tokenizer, qa_data, seed=6)
+    assert first == again
+    differ = [a.prompt.input_ids != b.prompt.input_ids for a, b in zip(first, other, strict=True)]
+    assert all(differ)
+    alone = ruler.build_instances(tokenizer, tasks=["vt"], lengths=[1700], samples_per_task=2, seed=5)
+    assert alone == [c for c in first if c.task == "vt" and c.length == 1700]  # whatever else is asked
+
+
+def test_a_length_too_short_for_a_task_is_one_line(tokenizer):
+    with pytest.raises(ConfigError, match=r"--lengths 300: too short for vt \(\d+ tokens of instructions"):
+        ruler.build_instances(
+            tokenizer, tasks=["niah_single_1", "vt"], lengths=[300], samples_per_task=1, seed=0
+        )
+
+
+# --- scoring and the summary --------------------------------------------------------------------------------
+
+
+def test_scores_are_rulers_recall_and_qas_best_match():
+    assert ruler.score_output("niah_multivalue", ["11", "22", "33", "44"], "22 and 44") == 50.0
+    assert ruler.score_output("cwe", ["Apple", "pear"], "APPLE, PEAR") == 100.0  # case-insensitive
+    assert ruler.score_output("qa_squad", ["Denver Broncos", "Broncos"], "the broncos") == 100.0
+    assert ruler.score_output("qa_hotpot", ["yes"], "no") == 0.0
+
+
+def test_the_effective_length_is_the_longest_length_up_to_which_the_average_holds():
+    averages = {4096: 95.0, 8192: 86.0, 16384: 80.0, 32768: 99.0}
+    assert ruler.effective_length(averages, 85.6) == 8192  # 32k does not count: 16k fell below
+    assert ruler.effective_length(averages, 80.0) == 32768
+    assert ruler.effective_length(averages, 90.0) == 4096
+    assert ruler.effective_length(averages, 96.0) is None  # even the shortest is under
+
+
+def row(task, length, score):
+    return {"task": task, "length": length, "score": score}
+
+
+def test_the_summary_averages_tasks_by_length_and_counts_failures_apart():
+    rows = [row("vt", 1000, 100.0), row("vt", 1000, 0.0), row("cwe", 1000, 90.0), row("vt", 2000, 50.0),
+            row("cwe", 2000, None)]  # fmt: skip
+    summary = ruler.summary(rows, threshold=60.0)
+    assert summary["by_task_length"] == {
+        "vt": {"1000": 50.0, "2000": 50.0},
+        "cwe": {"1000": 90.0, "2000": None},
+    }
+    assert summary["average_by_length"] == {"1000": 70.0, "2000": 50.0}
+    assert (summary["effective_length"], summary["n"], summary["failed"]) == (1000, 5, 1)
+    assert ruler.summary_csv(summary).splitlines() == [
+        "task,length,score", "vt,1000,50", "vt,2000,50", "cwe,1000,90", "cwe,2000,", "average,1000,70",
+        "average,2000,50"]  # fmt: skip
+
+
+def test_a_failed_request_is_counted_not_scored(tokenizer):
+    case = one(tokenizer, "vt", 600)
+    failed = ruler.generation_row(case, Reply("", error="400 from the server: too long"))
+    assert (failed["score"], failed["error"]) == (None, "400 from the server: too long")
+
+
+# --- against servers ----------------------------------------------------------------------------------------
+
+
+def served(server: OpenAIStub) -> list[str]:
+    return ["--backend", "openai", "--base-url", server.base_url, "--served-model", server.model,
+            "--tokenizer", str(TOKENIZER), "--max-retries", "0"]  # fmt: skip
+
+
+def run_served(reply, out: Path, *extra: str, qa_files=None) -> tuple[list[dict], dict, list[dict]]:
+    files = ["--squad", str(qa_files["squad"]), "--hotpot", str(qa_files["hotpot"])] if qa_files else []
+    with OpenAIStub(reply, key=KEY) as server:
+        status = main(["eval", "ruler", *served(server), *files, "--output", str(out), *extra])
+        requests = server.requests
+    assert status == 0
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    return rows, json.loads((out / "summary.json").read_text()), requests
+
+
+def test_a_server_that_solves_each_task_scores_100_everywhere(tmp_path, qa_files, capsys):
+    reader = lambda body: solve(body["messages"][-1]["content"])  # noqa: E731
+    out = tmp_path / "ruler"
+    rows, summary, requests = run_served(reader, out, "--lengths", "1000,2000", "--samples-per-task", "3",
+                                         qa_files=qa_files)  # fmt: skip
+    assert len(rows) == len(requests) == len(ruler.TASKS) * 2 * 3
+    assert {r["task"] for r in rows} == set(ruler.TASKS)
+    assert all(r["score"] == 100.0 for r in rows)
+    assert [r["prompt_tokens"] for r in rows] == [r["length"] for r in rows]
+    assert set(rows[0]) >= {
+        "task",
+        "length",
+        "prompt_tokens",
+        "needle_offsets",
+        "references",
+        "output",
+        "score",
+    }
+    assert summary["by_task_length"] == {t: {"1000": 100.0, "2000": 100.0} for t in ruler.TASKS}
+    assert summary["average_by_length"] == {"1000": 100.0, "2000": 100.0}
+    assert (summary["effective_length"], summary["n"], summary["failed"]) == (2000, 78, 0)
+    budgets = {ruler.TASKS[t].new_tokens for t in ruler.TASKS}
+    assert {r["max_tokens"] for r in requests} == budgets  # RULER's budget per task family
+    assert {p.name for p in out.iterdir()} >= {"results.jsonl", "summary.json", "summary.csv", "ruler.png",
+                                               "run_config.json"}  # fmt: skip
+    record = json.loads((out / "run_config.json").read_text())
+    assert record["qa_skipped"] == {"squad": 24, "hotpot": 0} and record["answer_prefix"] is False
+    assert KEY not in (out / "run_config.json").read_text()
+    assert "effective length 2000 (threshold 85.6)" in capsys.readouterr().out
+
+
+def test_by_default_every_task_that_needs_no_file_runs(tmp_path):
+    reader = lambda body: solve(body["messages"][-1]["content"])  # noqa: E731
+    rows, summary, _ = run_served(reader, tmp_path / "o", "--lengths", "1000", "--samples-per-task", "1")
+    assert [r["task"] for r in rows] == SYNTHETIC and summary["tasks"] == SYNTHETIC
+
+
+def test_a_server_that_reads_only_the_first_half_loses_the_needles_of_the_second(tmp_path):
+    half = lambda body: solve(body["messages"][-1]["content"], first_half=True)  # noqa: E731
+    single = "niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multikey_2,niah_multikey_3"
+    rows, summary, _ = run_served(half, tmp_path / "half", "--lengths", "1000,2000", "--samples-per-task", "12",
+                                  "--tasks", f"{single},niah_multiquery,vt")  # fmt: skip
+    by_depth: dict[int, list[float]] = {}
+    for r in rows:
+        if r["task"] in single:
+            depth = r["needle_offsets"][0] / r["prompt_tokens"]
+            by_depth.setdefault(min(int(10 * depth), 9), []).append(r["score"])
+            if depth < 0.4:
+                assert r["score"] == 100.0, r
+            elif depth > 0.6:
+                assert r["score"] == 0.0, r
+    means = [sum(by_depth[d]) / len(by_depth[d]) for d in sorted(by_depth)]
+    assert means[0] == 100.0 and means[-1] < 30.0
+    assert sum(means[:3]) / 3 > sum(means[-3:]) / 3 + 50  # falls with depth
+    multi = [r["score"] for r in rows if r["task"] == "niah_multiquery"]
+    assert 0 < sum(multi) / len(multi) < 100  # partial recall: the needles of the first half
+    assert (
+        all(v < 85.6 for v in summary["average_by_length"].values()) and summary["effective_length"] is None
+    )
+
+
+@pytest.mark.parametrize(
+    ("threshold", "expected"), [("85.6", 1000), ("30", 2000), ("0", 3000), ("100.5", None)]
+)
+def test_the_effective_length_follows_the_threshold(tmp_path, threshold, expected):
+    def reader(body):  # a model that solves short prompts, reads half of middling ones, none of the longest
+        content = body["messages"][-1]["content"]
+        words = len(content.split())
+        return solve(content) if words < 900 else solve(content, first_half=True) if words < 1600 else ""
+
+    rows, summary, _ = run_served(reader, tmp_path / threshold, "--lengths", "1000,2000,3000", "--samples-per-task",
+                                  "4", "--tasks", "niah_single_1,niah_multivalue,vt", "--threshold", threshold)  # fmt: skip
+    averages = summary["average_by_length"]
+    assert averages["1000"] == 100.0 and 30 <= averages["2000"] < 85.6 and averages["3000"] < 30
+    assert summary["effective_length"] == expected and summary["threshold"] == float(threshold)
+
+
+def test_the_same_seed_writes_the_same_file_and_another_seed_another(tmp_path):
+    reader = lambda body: solve(body["messages"][-1]["content"], first_half=True)  # noqa: E731
+    settings = [
+        "--lengths",
+        "800",
+        "--samples-per-task",
+        "2",
+        "--tasks",
+        "niah_single_2,niah_multikey_3,vt,fwe",
+    ]
+    outputs = {}
+    for name, seed in (("a", "3"), ("b", "3"), ("c", "4")):
+        run_served(reader, tmp_path / name, *settings, "--seed", seed)
+        outputs[name] = (tmp_path / name / "results.jsonl").read_bytes()
+    assert outputs["a"] == outputs["b"] and outputs["a"] != outputs["c"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            ["--tasks", "niah_single_9"],
+            "--tasks 'niah_single_9': unknown task niah_single_9; known: niah_single_1",
+        ),
+        (["--tasks", "qa_squad"], "--tasks qa_squad: needs the dataset's file, --squad FILE"),
+        (["--lengths", "200", "--tasks", "cwe"], "--lengths 200: too short for cwe"),
+        (["--score", "logprob"], "--score logprob: needs the model's weights"),
+        (["--squad", "missing.json"], "missing.json: no SQuAD file there"),
+    ],
+)
+def test_bad_ruler_settings_are_one_line_before_any_request(tmp_path, capsys, extra, message):
+    with OpenAIStub(key=KEY) as server:
+        status = main(["eval", "ruler", *served(server), "--output", str(tmp_path / "o"), *extra])
+        calls = server.calls
+    assert status == 2 and calls == 0
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert not (tmp_path / "o").exists()
+
+
+def test_qa_files_in_other_shapes_are_named(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"data": [{"paragraphs": [{"context": "C", "qas": [{"answers": []}]}]}]}))
+    with pytest.raises(
+        InputError, match=r"bad.json: data\[0\]\.paragraphs\[0\]\.qas\[0\]: missing field 'question'"
+    ):
+        ruler.read_squad(bad)
+    bad.write_text(json.dumps([{"question": "Q", "answer": "A", "context": [["title only"]]}]))
+    with pytest.raises(
+        InputError, match=r"bad.json: \[0\]\.context\[0\]: expected \[title, \[sentence, \.\.\.\]\]"
+    ):
+        ruler.read_hotpot(bad)
+    bad.write_text(json.dumps({"data": []}))
+    with pytest.raises(InputError, match="bad.json: expected HotpotQA's JSON"):
+        ruler.read_hotpot(bad)
+    with pytest.raises(InputError, match="bad.json: no question with an answer in it"):
+        ruler.read_squad(bad)
+
+
+def test_hotpot_gold_documents_are_the_supporting_facts_paragraphs(tokenizer, qa_data):
+    case = build(tokenizer, qa_data, tasks=["qa_hotpot"], lengths=[1500], samples_per_task=1)[0]
+    golds = [tokenizer.decode(case.prompt.input_ids[o : o + 12]) for o in case.needle_offsets]
+    assert len(golds) == 2 and all(re.match(r"Document \d+:\nVault \d+", g) for g in golds)
+    assert qa_data["hotpot"].questions[0].own != qa_data["hotpot"].questions[0].gold  # the hall is no gold
+
+
+# --- teacher-forced scoring ---------------------------------------------------------------------------------
+
+
+def test_only_tasks_whose_answer_has_one_order_are_teacher_forced(tokenizer, qa_data):
+    ordered = [t for t, task in ruler.TASKS.items() if task.one_order]
+    assert set(ruler.TASKS) - set(ordered) == {"niah_multivalue", "cwe", "qa_squad"}
+    assert ruler.select_tasks(None, logprob=True) == [t for t in ordered if t != "qa_hotpot"]
+    with pytest.raises(ConfigError, match="cwe: the answer has no one order to teacher-force"):
+        ruler.select_tasks("vt,cwe", logprob=True)
+    for case in build(tokenizer, qa_data, with_answer_prefix=True):
+        assert (case.answer_ids is None) == (case.task not in ordered)
+        if case.answer_ids is not None:  # each reference's tokens, where the spans say
+            for (a, b), reference in zip(case.reference_spans, case.references, strict=True):
+                assert tokenizer.decode(case.answer_ids[a:b]).strip(" ,") == reference
+
+
+def test_a_reference_counts_when_each_of_its_tokens_is_the_most_likely(tokenizer):
+    case = one(tokenizer, "niah_multiquery", 900, with_answer_prefix=True)
+    predicted = list(case.answer_ids)
+    a, _ = case.reference_spans[2]
+    predicted[a] = (predicted[a] + 1) % 4096
+    row = ruler.logprob_row(case, nd.AnswerScore(-1.5, False, predicted), tokenizer)
+    assert (row["score"], row["logprob"]) == (75.0, -1.5)
+
+
+def test_packed_scoring_equals_one_prompt_at_a_time_and_the_plain_model(tokenizer, qa_data):
+    tasks = ruler.select_tasks(None, hotpot=qa_data["hotpot"], logprob=True)
+    cases = build(tokenizer, qa_data, tasks=tasks, lengths=[520], samples_per_task=1, with_answer_prefix=True)
+    sequences = [(c.prompt.input_ids, c.answer_ids) for c in cases]
+    assert len(nd.pack_rows([len(p) + len(a) - 1 for p, a in sequences], 2000)) == 4  # 10 prompts in 4 rows
+    assert_packed_scoring_is_exact(sequences, pack_tokens=2000)
+
+
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("model"), max_position_embeddings=1024)
+
+
+def test_logprob_scores_from_the_command_line_equal_scoring_the_instances(saved_model, tokenizer, tmp_path):
+    out = tmp_path / "lp"
+    args = ["eval", "ruler", "--model", str(saved_model), "--score", "logprob", "--lengths", "450,520",
+            "--samples-per-task", "1", "--attn-backend", "sdpa_segments", "--pack-tokens", "1500", "--output", str(out)]  # fmt: skip
+    assert main(args) == 0
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    tasks = ruler.select_tasks(None, logprob=True)
+    assert [r["task"] for r in rows][::2] == tasks and len(rows) == 2 * len(tasks)
+    cases = ruler.build_instances(tokenizer, tasks=tasks, lengths=[450, 520], samples_per_task=1, seed=0,
+                                  with_answer_prefix=True)  # fmt: skip
+    from longalign.eval.models import load_model
+
+    model = load_model(str(saved_model), packed=True, attn_backend="sdpa_segments")
+    scores = nd.score_answers(model, [(c.prompt.input_ids, c.answer_ids) for c in cases], pack_tokens=1500)
+    assert [r["logprob"] for r in rows] == pytest.approx([s.logprob for s in scores], rel=1e-10)
+    assert [r["score"] for r in rows] == [ruler.logprob_row(c, s, tokenizer)["score"] for c, s in zip(cases, scores, strict=True)]  # fmt: skip
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["score"] == "logprob" and set(summary["logprob_by_task_length"]) == set(tasks)
+    assert (out / "summary.csv").read_text().splitlines()[0] == "task,length,score,logprob"
+    assert (out / "ruler.png").stat().st_size > 0
+
+
+def test_local_generation_ends_each_prompt_with_the_answer_prefix(saved_model, tmp_path):
+    out = tmp_path / "gen"
+    args = ["eval", "ruler", "--model", str(saved_model), "--lengths", "500", "--samples-per-task", "1",
+            "--tasks", "niah_single_1,vt", "--max-new-tokens", "3", "--output", str(out)]  # fmt: skip
+    assert main(args) == 0
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [(r["task"], r["prompt_tokens"]) for r in rows] == [("niah_single_1", 500), ("vt", 500)]
+    assert all(r["output"] and r["score"] in (0.0, 100.0) for r in rows)
+    record = json.loads((out / "run_config.json").read_text())
+    assert record["answer_prefix"] is True and record["new_tokens"] == {"niah_single_1": 3, "vt": 3}
