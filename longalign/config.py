@@ -64,6 +64,7 @@ TORCH_DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")  # float64:
 # The needle grid's defaults, in the run file's [eval_tasks] and in `longalign eval needle`.
 NEEDLE_LENGTHS = (1000, 2000, 4000, 8000)
 NEEDLE_DEPTHS = (0, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100)
+RULER_LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072)  # [eval_tasks] ruler's and `longalign eval ruler`'s
 
 
 @dataclass
@@ -294,9 +295,7 @@ class NeedleTaskConfig:
     """
 
     every_steps: int  # score after every this many optimizer steps (required)
-    lengths: list[int | str] = field(
-        default_factory=lambda: list(NEEDLE_LENGTHS)
-    )  # whole prompt, 4096 or "4k"
+    lengths: list[int | str] = field(default_factory=lambda: list(NEEDLE_LENGTHS))  # whole prompt: 4096, "4k"
     depths: list[int] = field(default_factory=lambda: list(NEEDLE_DEPTHS))  # percent of the haystack
     samples_per_cell: int = 1  # prompts per length and depth
     seed: int = 0  # the prompts' randomness: each prompt's key and value, where its haystack starts
@@ -305,47 +304,79 @@ class NeedleTaskConfig:
 
     def __post_init__(self) -> None:
         where = "eval_tasks.needle"
-        if self.every_steps < 1:
-            raise ConfigError(f"{where}.every_steps: must be >= 1, got {self.every_steps}")
-        lengths = set()
-        for value in self.lengths:
-            if isinstance(value, bool) or not isinstance(value, int | str):
-                raise ConfigError(
-                    f'{where}.lengths: expected token counts such as 4096 or "4k", got {value!r}'
-                )
-            try:
-                lengths.add(parse_length(value) if isinstance(value, str) else value)
-            except ConfigError as err:
-                raise ConfigError(f"{where}.lengths: {err}") from None
-            if isinstance(value, int) and value < 1:
-                raise ConfigError(f"{where}.lengths: expected positive token counts, got {value}")
-        if not lengths:
-            raise ConfigError(f"{where}.lengths: an empty list scores nothing; leave it out for the default")
+        _check_task_counts(where, self, ("every_steps", "samples_per_cell", "pack_tokens"))
+        self.lengths = _token_counts(f"{where}.lengths", self.lengths)
         bad = [d for d in self.depths if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d <= 100]
         if bad or not self.depths:
             raise ConfigError(f"{where}.depths: expected percentages from 0 to 100, got {self.depths!r}")
-        for key in ("samples_per_cell", "pack_tokens"):
-            value = getattr(self, key)
-            if value is not None and value < 1:
-                raise ConfigError(f"{where}.{key}: must be >= 1, got {value}")
-        # As the command reads its flags: smallest first, without repeats.
-        self.lengths = sorted(lengths)
-        self.depths = sorted(set(self.depths))
+        self.depths = sorted(set(self.depths))  # as the command reads --depths
+
+
+@dataclass
+class RulerTaskConfig:
+    """``[eval_tasks] ruler``: RULER's tasks as ``longalign eval ruler --score logprob`` builds them, scored
+    while training. The same settings give the same prompts as the command's flags of the same names."""
+
+    every_steps: int  # score after every this many optimizer steps (required)
+    tasks: list[str] | None = None  # default: every task whose answer has one order (qa_hotpot: with hotpot)
+    lengths: list[int | str] = field(default_factory=lambda: list(RULER_LENGTHS))  # whole prompt: 4096, "4k"
+    samples_per_task: int = 100  # prompts per task and length
+    seed: int = 0  # the prompts' randomness
+    haystack: str | None = None  # essay text: a .txt file or a directory of them; default: filler sentences
+    hotpot: str | None = None  # HotpotQA's JSON, for qa_hotpot
+    pack_tokens: int | None = None  # tokens per packed row; default: the longest prompt with its answer
+    threshold: float | None = None  # of the effective length; default: RULER's 85.6
+
+    def __post_init__(self) -> None:
+        where = "eval_tasks.ruler"
+        _check_task_counts(where, self, ("every_steps", "samples_per_task", "pack_tokens"))
+        self.lengths = _token_counts(f"{where}.lengths", self.lengths)
+        if self.tasks is not None and (not self.tasks or not all(isinstance(t, str) for t in self.tasks)):
+            raise ConfigError(
+                f"{where}.tasks: expected task names, got {self.tasks!r}; leave it out for the default"
+            )
+        if self.threshold is not None and not 0 <= self.threshold <= 100:
+            raise ConfigError(f"{where}.threshold: expected a score from 0 to 100, got {self.threshold}")
+
+
+def _check_task_counts(where: str, settings: Any, keys: tuple[str, ...]) -> None:
+    for key in keys:
+        value = getattr(settings, key)
+        if value is not None and value < 1:
+            raise ConfigError(f"{where}.{key}: must be >= 1, got {value}")
+
+
+def _token_counts(where: str, values: list[Any]) -> list[int]:
+    """Lengths written 4096 or "4k", smallest first without repeats (as the commands read ``--lengths``)."""
+    lengths = set()
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, int | str):
+            raise ConfigError(f'{where}: expected token counts such as 4096 or "4k", got {value!r}')
+        if isinstance(value, int) and value < 1:
+            raise ConfigError(f"{where}: expected positive token counts, got {value}")
+        try:
+            lengths.add(parse_length(value) if isinstance(value, str) else value)
+        except ConfigError as err:
+            raise ConfigError(f"{where}: {err}") from None
+    if not lengths:
+        raise ConfigError(f"{where}: an empty list scores nothing; leave it out for the default")
+    return sorted(lengths)
 
 
 # The tasks of [eval_tasks]: the key that names each, and the settings of its table.
-EVAL_TASKS = {"needle": NeedleTaskConfig}
+EVAL_TASKS = {"needle": NeedleTaskConfig, "ruler": RulerTaskConfig}
 
 
 @dataclass
 class EvalTasksConfig:
     """``[eval_tasks]``: long-context tasks the trainer's own model scores teacher-forced while it trains.
 
-    ``needle = { lengths = [4096, 16384], every_steps = 200 }``: one table per task (``EVAL_TASKS``),
-    checked by ``tasks()``.
+    ``needle = { lengths = [4096, 16384], every_steps = 200 }``, ``ruler = { tasks = ["vt"], every_steps = 500 }``:
+    one table per task (``EVAL_TASKS``), checked by ``tasks()``.
     """
 
     needle: dict[str, Any] | None = None  # NeedleTaskConfig's fields
+    ruler: dict[str, Any] | None = None  # RulerTaskConfig's fields
     on_start: bool = True  # also score the model as it starts, before the first step (not on a resume)
 
     def __post_init__(self) -> None:

@@ -401,6 +401,9 @@ def test_eval_tasks_is_optional_and_reads_lengths_as_the_command_does(tmp_path):
     assert (needle.lengths, needle.depths, needle.every_steps) == ([1000, 4096], [0, 50, 100], 200)
     assert (needle.samples_per_cell, needle.seed, needle.haystack, needle.pack_tokens) == (1, 0, None, None)
     assert cfg.eval_tasks.on_start  # the curve starts at the model as it was
+    ruler = load_config(None, [M, "eval_tasks.ruler.every_steps=500"]).eval_tasks.tasks()["ruler"]
+    assert (ruler.lengths, ruler.samples_per_task, ruler.tasks, ruler.threshold) == (
+        [4096, 8192, 16384, 32768, 65536, 131072], 100, None, None)  # fmt: skip  # the command's defaults
     assert load_config(None, [M, "eval_tasks.needle.every_steps=5"]).eval_tasks.tasks()["needle"].lengths == [
         1000, 2000, 4000, 8000]  # fmt: skip  # the command's default grid
 
@@ -458,7 +461,25 @@ EVERY = "eval_tasks.needle.every_steps=2"
         (["eval_tasks.needle.seed=1"], "eval_tasks.needle.every_steps: missing; it is required"),
         (["eval_tasks.needle=3"], "eval_tasks.needle: expected dict or nothing, got int 3"),
         (["eval_tasks.nedle={every_steps = 2}"], r"eval_tasks.nedle: unknown key; did you mean 'needle'\?"),
-        (["eval_tasks.on_start=false"], r"\[eval_tasks\]: names no task; add one of needle"),
+        (["eval_tasks.on_start=false"], r"\[eval_tasks\]: names no task; add one of needle, ruler"),
+        (
+            ["eval_tasks.ruler={every_steps = 1, tasks = []}"],
+            r"eval_tasks.ruler.tasks: expected task names, got \[\]",
+        ),
+        (
+            ["eval_tasks.ruler={every_steps = 1, tasks = 'vt'}"],
+            "eval_tasks.ruler.tasks: expected list or nothing",
+        ),
+        (
+            ["eval_tasks.ruler={every_steps = 1, threshold = 120}"],
+            "eval_tasks.ruler.threshold: expected a score from 0",
+        ),
+        (
+            ["eval_tasks.ruler={every_steps = 1, samples_per_task = 0}"],
+            "eval_tasks.ruler.samples_per_task: must be >= 1",
+        ),
+        (["eval_tasks.ruler={every_steps = 1, lengths = ['8q']}"], "eval_tasks.ruler.lengths: length '8q'"),
+        (["eval_tasks.ruler={every_steps = 1, samples = 3}"], "eval_tasks.ruler.samples: unknown key"),
     ],
 )
 def test_bad_eval_tasks_keys_and_values_are_named(overrides, message):

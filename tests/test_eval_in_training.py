@@ -44,6 +44,30 @@ from longalign.trainer import LongAlignTrainer
 GRID = {"lengths": [100, 300], "depths": [0, 50, 100], "samples_per_cell": 1}
 COMMAND_GRID = ["--lengths", "100,300", "--depths", "0,50,100", "--samples-per-cell", "1"]
 
+# Each task of these tests: its [eval_tasks] table and the command's flags for the same prompts.
+RUN_TASKS = {
+    "needle": (GRID, COMMAND_GRID),
+    "ruler": (
+        {"tasks": ["niah_single_1", "fwe"], "lengths": [300], "samples_per_task": 2},
+        ["--tasks", "niah_single_1,fwe", "--lengths", "300", "--samples-per-task", "2"],
+    ),
+}
+
+
+def logged_numbers(name: str, summary: dict) -> dict[str, float]:
+    """What the run must have logged for a task, read off the command's ``summary.json``."""
+    if name == "needle":
+        return {"eval_tasks/needle": summary["overall"], "eval_tasks/needle/logprob": summary["mean_logprob"]}
+    return {
+        "eval_tasks/ruler/effective_length": summary["effective_length"] or 0,
+        **{f"eval_tasks/ruler/{n}": v for n, v in summary["average_by_length"].items()},
+        **{
+            f"eval_tasks/ruler/{t}/{n}": v
+            for t, cells in summary["by_task_length"].items()
+            for n, v in cells.items()
+        },
+    }
+
 
 @pytest.fixture(scope="module")
 def tokenizer():
@@ -71,30 +95,30 @@ def test_rows_deal_unevenly_over_two_ranks(tokenizer):
     ]
 
 
-def test_a_task_writes_and_logs_what_the_command_writes(tokenizer, tmp_path):
+@pytest.mark.parametrize("name", list(RUN_TASKS))
+def test_a_task_writes_and_logs_what_the_command_writes(tokenizer, tmp_path, name):
     """The same settings as the command's flags: the same prompts, rows, scores and files."""
     saved = save_tiny_model(tmp_path / "model", max_position_embeddings=1024)
-    args = ["eval", "needle", "--model", str(saved), "--score", "logprob", *COMMAND_GRID, "--seed", "3",
-            "--dtype", "float64", "--attn-backend", "sdpa_segments", "--output", str(tmp_path / "command")]  # fmt: skip
+    table, flags = RUN_TASKS[name]
+    args = ["eval", name, "--model", str(saved), "--score", "logprob", *flags, "--seed", "3", "--dtype", "float64",
+            "--attn-backend", "sdpa_segments", "--output", str(tmp_path / "command")]  # fmt: skip
     assert main(args) == 0
 
-    task = NeedleTask(NeedleTaskConfig(every_steps=1, seed=3, **GRID), tokenizer)
+    (task,) = build_tasks(
+        EvalTasksConfig(**{name: {**table, "seed": 3, "every_steps": 1}}), tokenizer, context_limit=None
+    )
     model = load_model(str(saved), dtype="float64", packed=True, attn_backend="sdpa_segments")
     scores = nd.score_answers_across_ranks(model, task.sequences, pack_tokens=task.pack_tokens, lockstep=True)
     results = task.results(scores)
-    task.write(tmp_path / "task", results, {"task": "needle"}, title="tiny")
+    task.write(tmp_path / "task", results, {"task": name}, title="tiny")
     assert rows_of(tmp_path / "task") == rows_of(tmp_path / "command")
     command = json.loads((tmp_path / "command" / "summary.json").read_text())
     assert results.summary == {key: value for key, value in command.items() if key != "seconds"}
     assert sorted(p.name for p in (tmp_path / "task").iterdir()) == sorted(
         p.name for p in (tmp_path / "command").iterdir()
     )
-    assert results.metrics == {
-        "eval_tasks/needle": command["overall"],
-        "eval_tasks/needle/logprob": command["mean_logprob"],
-        "eval_tasks/needle/100": command["by_length"]["100"],
-        "eval_tasks/needle/300": command["by_length"]["300"],
-    }
+    expected = logged_numbers(name, command)
+    assert {key: results.metrics[key] for key in expected} == expected
 
 
 def test_prompts_that_do_not_fit_name_the_key(tokenizer):
@@ -106,6 +130,23 @@ def test_prompts_that_do_not_fit_name_the_key(tokenizer):
         build_tasks(
             EvalTasksConfig(needle={"every_steps": 1, "lengths": [20]}), tokenizer, context_limit=None
         )
+    with pytest.raises(ConfigError, match="eval_tasks.ruler.lengths 300: too short for vt"):
+        build_tasks(
+            EvalTasksConfig(ruler={"every_steps": 1, "lengths": [300]}), tokenizer, context_limit=None
+        )
+
+
+@pytest.mark.parametrize(
+    "tasks, message",
+    [
+        (["niah_single_1", "vtt"], "eval_tasks.ruler.tasks: unknown task vtt; known: niah_single_1"),
+        (["cwe", "vt"], "eval_tasks.ruler.tasks: cwe: the answer has no one order to teacher-force"),
+        (["qa_hotpot"], "eval_tasks.ruler.tasks: qa_hotpot needs HotpotQA's JSON, eval_tasks.ruler.hotpot"),
+    ],
+)
+def test_ruler_tasks_that_cannot_be_scored_name_the_key(tokenizer, tasks, message):
+    with pytest.raises(ConfigError, match=message):
+        build_tasks(EvalTasksConfig(ruler={"every_steps": 1, "tasks": tasks}), tokenizer, context_limit=None)
 
 
 class Logged(TrainerCallback):
@@ -181,33 +222,43 @@ def test_the_logged_scores_are_drawn_against_the_step(tmp_path):
 # --- on two ranks, against the command on each checkpoint ------------------------------------------------
 
 
-def needle_overrides(output_dir: Path, packs: Path) -> list[str]:
-    table = (
-        "{" + ", ".join(f"{key} = {json.dumps(value)}" for key, value in GRID.items()) + ", every_steps = 2}"
-    )
+def run_overrides(output_dir: Path, packs: Path, tasks: list[str]) -> list[str]:
+    """The demo run on ``packs`` for 4 steps, checkpoints at 2 and 4, ``tasks`` scored every 2 steps."""
+    tables = []
+    for name in tasks:
+        settings = {**RUN_TASKS[name][0], "every_steps": 2}
+        table = ", ".join(f"{key} = {json.dumps(value)}" for key, value in settings.items())
+        tables.append(f"eval_tasks.{name}={{{table}}}")
     return [
-        *demo_overrides(output_dir, packs), f"eval_tasks.needle={table}", "training.max_steps=4",
-        "training.save_steps=2", "training.logging_steps=1", "training.disable_tqdm=true", "data.max_seq_len=128",
+        *demo_overrides(output_dir, packs), *tables, "training.max_steps=4", "training.save_steps=2",
+        "training.logging_steps=1", "training.disable_tqdm=true", "data.max_seq_len=128",
     ]  # fmt: skip
 
 
-def check_against_the_command(run: Path, tmp_path: Path, *, dtype: str, bound: float) -> None:
-    """Every checkpoint of ``run`` scored by the command gives the files and numbers the run wrote and logged."""
+def check_against_the_command(
+    run: Path, tmp_path: Path, tasks: list[str], *, dtype: str, bound: float
+) -> None:
+    """Each checkpoint of ``run`` scored by ``longalign eval`` gives the rows the run wrote and the numbers it
+    logged at that step."""
     history = json.loads((run / "trainer_state.json").read_text())["log_history"]
-    logged = {e["step"]: e for e in history if "eval_tasks/needle" in e}
-    assert sorted(logged) == [0, 2, 4]
-    for step in (2, 4):
-        out = tmp_path / f"command-{step}"
-        args = ["eval", "needle", "--model", str(run / f"checkpoint-{step}"), "--score", "logprob", *COMMAND_GRID,
-                "--dtype", dtype, "--output", str(out)]  # fmt: skip
-        assert main(args) == 0
-        during = rows_of(run / "eval_tasks" / f"step-{step}" / "needle")
-        after = rows_of(out)
-        assert_relatively_close([r.pop("logprob") for r in during], [r.pop("logprob") for r in after], bound)
-        assert during == after  # the prompts, where each needle went, the greedy answer and its score
-        summary = json.loads((out / "summary.json").read_text())
-        assert logged[step]["eval_tasks/needle"] == summary["overall"]
-        assert logged[step]["eval_tasks/needle/logprob"] == pytest.approx(summary["mean_logprob"], rel=bound)
+    for name in tasks:
+        logged = {e["step"]: e for e in history if f"eval_tasks/{name}" in e}
+        assert sorted(logged) == [0, 2, 4]
+        for step in (2, 4):
+            out = tmp_path / f"{name}-{step}"
+            args = ["eval", name, "--model", str(run / f"checkpoint-{step}"), "--score", "logprob",
+                    *RUN_TASKS[name][1], "--dtype", dtype, "--output", str(out)]  # fmt: skip
+            assert main(args) == 0
+            during, after = rows_of(run / "eval_tasks" / f"step-{step}" / name), rows_of(out)
+            assert_relatively_close(
+                [r.pop("logprob") for r in during], [r.pop("logprob") for r in after], bound
+            )
+            assert during == after  # the prompts, where each needle went, the greedy answer and its score
+            for key, value in logged_numbers(name, json.loads((out / "summary.json").read_text())).items():
+                assert logged[step][key] == pytest.approx(value, rel=bound), key
+
+
+PACKS = [[40, 21], [30], [50, 11], [25, 24], [60], [33, 20]]
 
 
 @pytest.mark.integration
@@ -217,17 +268,18 @@ def check_against_the_command(run: Path, tmp_path: Path, *, dtype: str, bound: f
 )
 def test_logged_scores_at_step_n_are_the_command_on_checkpoint_n(tmp_path, split):
     """DDP on 2 CPU ranks in float64, and with every pack split over both ranks (the scoring attends whole
-    rows without the split): the same rows as the command's, so the same scores, to float64 rounding."""
-    packs = save_packs(tmp_path / "packs", count_packs([[40, 21], [30], [50, 11], [25, 24], [60], [33, 20]]))
+    rows, around the split): the command's rows, so its scores, to float64 rounding."""
     run = tmp_path / "run"
     result = launch(
-        ROOT / "train.py", "--config", str(DEMO), *needle_overrides(run, packs), "model.torch_dtype='float64'",
-        f"training.sequence_parallel_size={split}", cwd=ROOT, timeout=600,
+        ROOT / "train.py", "--config", str(DEMO), *run_overrides(run, save_packs(tmp_path / "packs", count_packs(PACKS)),
+        list(RUN_TASKS)), "model.torch_dtype='float64'", f"training.sequence_parallel_size={split}", cwd=ROOT,
+        timeout=800,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.count("eval_tasks: needle every 2 steps: 6 prompts") == 1  # rank 0, once
+    assert result.stdout.count("eval_tasks: ruler every 2 steps: 4 prompts") == 1
     assert result.stdout.count("eval_tasks: the first evaluation (step 0) took needle") == 1
-    check_against_the_command(run, tmp_path, dtype="float64", bound=1e-12)
+    check_against_the_command(run, tmp_path, list(RUN_TASKS), dtype="float64", bound=1e-12)
 
 
 @pytest.mark.integration
@@ -236,12 +288,12 @@ def test_logged_scores_at_step_n_are_the_command_on_checkpoint_n(tmp_path, split
 def test_zero3_with_split_packs_scores_on_every_rank_without_hanging(tmp_path):
     """ZeRO-3 on 2 CPU ranks, each pack split over both: every rank gathers the weights for every row's
     forward, the rank short of a row included; float32, so the scores agree to float32 rounding."""
-    packs = save_packs(tmp_path / "packs", count_packs([[40, 21], [30], [50, 11], [25, 24], [60], [33, 20]]))
     run = tmp_path / "run"
     result = launch_with_config(
-        "zero3.yaml", "train.py", "--config", str(DEMO), *needle_overrides(run, packs),
+        "zero3.yaml", "train.py", "--config", str(DEMO),
+        *run_overrides(run, save_packs(tmp_path / "packs", count_packs(PACKS)), ["needle"]),
         "training.sequence_parallel_size=2", timeout=800,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert "DeepSpeed ZeRO-3 over 2 CPU ranks on 1 node; sequence parallel: 2 ranks per pack" in result.stdout
-    check_against_the_command(run, tmp_path, dtype="float32", bound=FLOAT32_BOUND)
+    check_against_the_command(run, tmp_path, ["needle"], dtype="float32", bound=FLOAT32_BOUND)

@@ -146,9 +146,11 @@ def _score_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _ruler_arguments(parser: argparse.ArgumentParser) -> None:
+    from longalign.config import RULER_LENGTHS
+
     parser.add_argument(
         "--lengths",
-        default="4k,8k,16k,32k,64k,128k",
+        default=",".join(f"{n // 1024}k" for n in RULER_LENGTHS),
         help="prompt lengths in tokens, chat template (and answer prefix) included (4k = 4096)",
     )
     parser.add_argument(

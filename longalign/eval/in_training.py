@@ -2,19 +2,24 @@
 
     [eval_tasks]
     needle = { lengths = [4096, 16384], depths = [0, 50, 100], every_steps = 200 }
+    ruler = { tasks = ["niah_single_1", "vt"], lengths = [4096, 8192], samples_per_task = 20, every_steps = 500 }
 
-Before the first step each task builds its prompts, once, as ``longalign eval needle --score logprob``
-builds them from the same settings. Then at step 0 (``on_start``) and after every ``every_steps``
-optimizer steps, the trainer's own model scores the due tasks teacher-forced: the prompts packed into
-rows, the rows dealt over the ranks, one forward per row, one gather. It logs, to every logger of
-``report_to`` and to ``trainer_state.json``::
+Before the first step each task builds its prompts, once, as ``longalign eval needle|ruler --score
+logprob`` builds them from the same settings. Then at step 0 (``on_start``) and after every
+``every_steps`` optimizer steps, the trainer's own model scores the due tasks teacher-forced: the prompts
+packed into rows, the rows dealt over the ranks, one forward per row, one gather. It logs, to every logger
+of ``report_to`` and to ``trainer_state.json``::
 
     eval_tasks/needle            100 x the share of prompts whose answer greedy decoding reproduces
     eval_tasks/needle/logprob    the answers' mean log-probability
     eval_tasks/needle/4096       the score at each length
+    eval_tasks/ruler             the average over RULER's tasks and lengths (each length counts once)
+    eval_tasks/ruler/4096        the average over the tasks at each length
+    eval_tasks/ruler/vt/4096     each task at each length
+    eval_tasks/ruler/logprob, eval_tasks/ruler/effective_length (0: under the threshold at every length)
 
-and rank 0 writes ``output_dir/eval_tasks/step-N/needle/``, the files ``longalign eval needle`` writes.
-The rows are the command's rows, so the scores at step N are the command's on ``checkpoint-N``.
+and rank 0 writes ``output_dir/eval_tasks/step-N/needle/`` (and ``ruler/``), the files of ``longalign
+eval``. The rows are the command's rows, so the scores at step N are the command's on ``checkpoint-N``.
 
 A task is a small piece (``ScoredTask``): its prompts with their answers, and what its scores become
 (rows, summary, logged numbers, files). ``TASKS`` names them, as ``longalign.config.EVAL_TASKS`` names
@@ -34,9 +39,10 @@ from typing import Any, Protocol
 from transformers import TrainerCallback
 
 import longalign.patch
-from longalign.config import EvalTasksConfig, NeedleTaskConfig
+from longalign.config import EvalTasksConfig, NeedleTaskConfig, RulerTaskConfig
 from longalign.errors import ConfigError
 from longalign.eval import needle as nd
+from longalign.eval import ruler
 from longalign.eval.needle import AnswerScore
 from longalign.eval.outputs import write_outputs
 from longalign.eval.ranks import rank_and_world
@@ -113,7 +119,80 @@ class NeedleTask:
         )
 
 
-TASKS = {"needle": NeedleTask}  # [eval_tasks] key -> the task built from its table
+class RulerTask:
+    """``[eval_tasks] ruler``: RULER's tasks as ``longalign eval ruler --score logprob`` builds them."""
+
+    name = "ruler"
+
+    def __init__(self, settings: RulerTaskConfig, tokenizer) -> None:
+        hotpot = ruler.read_hotpot(Path(settings.hotpot)) if settings.hotpot else None
+        self.cases = ruler.build_instances(
+            tokenizer,
+            tasks=_ruler_tasks(settings.tasks, hotpot=hotpot),
+            lengths=settings.lengths,
+            samples_per_task=settings.samples_per_task,
+            seed=settings.seed,
+            haystack=Path(settings.haystack) if settings.haystack else None,
+            hotpot=hotpot,
+            with_answer_prefix=True,
+            lengths_setting="eval_tasks.ruler.lengths",
+        )
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.every_steps = settings.every_steps
+        self.threshold = ruler.THRESHOLD if settings.threshold is None else settings.threshold
+        self.sequences = [(c.prompt.input_ids, c.answer_ids) for c in self.cases]
+        self.pack_tokens = settings.pack_tokens or nd.default_pack_tokens(self.cases)
+
+    def results(self, scores: Sequence[AnswerScore]) -> TaskResults:
+        rows = [ruler.logprob_row(c, s, self.tokenizer) for c, s in zip(self.cases, scores, strict=True)]
+        summary = {**ruler.summary(rows, threshold=self.threshold), "score": "logprob"}
+        averages = [v for v in summary["average_by_length"].values() if v is not None]
+        metrics = {
+            f"{PREFIX}/ruler": sum(averages) / len(averages) if averages else None,
+            f"{PREFIX}/ruler/logprob": sum(r["logprob"] for r in rows) / len(rows),
+            # 0 when even the shortest length is under the threshold (summary.json says null)
+            f"{PREFIX}/ruler/effective_length": summary["effective_length"] or 0,
+            **{f"{PREFIX}/ruler/{length}": value for length, value in summary["average_by_length"].items()},
+            **{
+                f"{PREFIX}/ruler/{task}/{length}": value
+                for task, by_length in summary["by_task_length"].items()
+                for length, value in by_length.items()
+            },
+        }
+        return TaskResults(rows, summary, metrics)
+
+    def write(self, directory: Path, results: TaskResults, record: dict[str, Any], *, title: str) -> None:
+        write_outputs(
+            directory,
+            results.rows,
+            results.summary,
+            record,
+            stage="eval ruler",
+            extra_files={"summary.csv": ruler.summary_csv(results.summary)},
+            plot=lambda d: ruler.plot_heatmap(results.summary, d / "ruler.png", title=title),
+        )
+
+
+def _ruler_tasks(given: list[str] | None, *, hotpot) -> list[str]:
+    """``eval_tasks.ruler.tasks`` checked: known, teacher-forceable, with their data; default all of those."""
+    where = "eval_tasks.ruler.tasks"
+    ordered = [name for name, task in ruler.TASKS.items() if task.one_order]
+    unknown = [name for name in given or [] if name not in ruler.TASKS]
+    if unknown:
+        raise ConfigError(f"{where}: unknown task {', '.join(unknown)}; known: {', '.join(ruler.TASKS)}")
+    unordered = [name for name in given or [] if name not in ordered]
+    if unordered:
+        raise ConfigError(
+            f"{where}: {', '.join(unordered)}: the answer has no one order to teacher-force (scores during training "
+            f"are teacher-forced); tasks it can score: {', '.join(ordered)}"
+        )
+    if "qa_hotpot" in (given or []) and hotpot is None:
+        raise ConfigError(f"{where}: qa_hotpot needs HotpotQA's JSON, eval_tasks.ruler.hotpot")
+    return ruler.select_tasks(given, hotpot=hotpot, logprob=True)
+
+
+TASKS = {"needle": NeedleTask, "ruler": RulerTask}  # [eval_tasks] key -> the task built from its table
 
 
 def build_tasks(config: EvalTasksConfig, tokenizer, *, context_limit: int | None) -> list[ScoredTask]:
@@ -220,13 +299,14 @@ class EvalTasksCallback(TrainerCallback):
 def plot_scores(log_history: Sequence[dict[str, Any]], path: Path, *, title: str) -> None:
     """``trainer_state.json``'s ``eval_tasks/`` numbers against the step: scores, then mean log-probabilities.
 
-    Each task's score and its score per length on the left, its mean log-probability on the right, the
-    value at step 0 (the model as the run started) drawn across as a dashed line.
+    Each task's score and its score per length (ruler: the average over its tasks) on the left, its mean
+    log-probability on the right, the value at step 0 (the model as the run started) drawn across as a
+    dashed line.
     """
     from matplotlib.figure import Figure  # no pyplot, no display
 
     entries = [e for e in log_history if any(key.startswith(f"{PREFIX}/") for key in e)]
-    names = sorted({key for e in entries for key in e if key.startswith(f"{PREFIX}/")}, key=_plot_order)
+    names = sorted({key for e in entries for key in e if _drawn(key)}, key=_plot_order)
     panels = [
         ([n for n in names if not n.endswith("/logprob")], "score (0-100)"),
         ([n for n in names if n.endswith("/logprob")], "mean log-probability of the answer"),
@@ -247,6 +327,14 @@ def plot_scores(log_history: Sequence[dict[str, Any]], path: Path, *, title: str
         ax.legend(fontsize=7)
     figure.suptitle(title)
     figure.savefig(path, dpi=100)
+
+
+def _drawn(name: str) -> bool:
+    """A task's number, its number per length or its log-probability (not ruler's per task and length)."""
+    if not name.startswith(f"{PREFIX}/"):
+        return False
+    _, _, rest = name.removeprefix(f"{PREFIX}/").partition("/")
+    return rest in ("", "logprob") or rest.isdigit()
 
 
 def _plot_order(name: str) -> tuple[str, int]:
