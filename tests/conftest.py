@@ -204,6 +204,14 @@ def save_samples(columns: dict[str, list], path: Path) -> Path:
     return path
 
 
+def load_script(name: str):
+    """``scripts/<name>.py`` as a module, to call its functions."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def run_process(cmd: list[str], *, timeout: float, **kwargs) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd, capture_output=True, text=True)`` that ends the whole process tree on a timeout.
 

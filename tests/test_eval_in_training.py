@@ -180,6 +180,7 @@ def test_the_callback_scores_at_its_steps_logs_writes_and_gives_the_model_back(t
     assert [step for step, _ in scored] == [0, 2]  # the start, then every 2 steps (3 is not a multiple)
     history = [e for e in trainer.state.log_history if "eval_tasks/needle/logprob" in e]
     assert [e["step"] for e in history] == [0, 2]
+    assert [e["step"] for e in trainer.state.log_history if "loss" in e] == [1, 2, 3]  # step 2's too
     for step, logs in scored:
         summary = json.loads(
             (tmp_path / "run" / "eval_tasks" / f"step-{step}" / "needle" / "summary.json").read_text()
@@ -241,6 +242,7 @@ def check_against_the_command(
     """Each checkpoint of ``run`` scored by ``longalign eval`` gives the rows the run wrote and the numbers it
     logged at that step."""
     history = json.loads((run / "trainer_state.json").read_text())["log_history"]
+    assert [e["step"] for e in history if "loss" in e] == [1, 2, 3, 4]  # scoring leaves the loss lines alone
     for name in tasks:
         logged = {e["step"]: e for e in history if f"eval_tasks/{name}" in e}
         assert sorted(logged) == [0, 2, 4]

@@ -292,7 +292,9 @@ class EvalTasksCallback(TrainerCallback):
             each = ", ".join(f"{task.name} {seconds:.1f} s" for task, _, seconds in done)
             print(f"{PREFIX}: the first evaluation (step {step}) took {each}", flush=True)
         self.first_done = True
+        should_log = trainer.control.should_log  # the step's own log line, which logging would cancel
         trainer.log(logs)
+        trainer.control.should_log = should_log
         return logs
 
 
