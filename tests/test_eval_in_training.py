@@ -35,7 +35,14 @@ from longalign.cli import main
 from longalign.config import EvalTasksConfig, NeedleTaskConfig
 from longalign.errors import ConfigError
 from longalign.eval import needle as nd
-from longalign.eval.in_training import EvalTasksCallback, NeedleTask, build_tasks, plan, plot_scores
+from longalign.eval.in_training import (
+    EvalTasksCallback,
+    NeedleTask,
+    build_tasks,
+    plan,
+    plot_scores,
+    write_results,
+)
 from longalign.eval.models import load_model
 from longalign.trainer import LongAlignTrainer
 
@@ -110,7 +117,7 @@ def test_a_task_writes_and_logs_what_the_command_writes(tokenizer, tmp_path, nam
     model = load_model(str(saved), dtype="float64", packed=True, attn_backend="sdpa_segments")
     scores = nd.score_answers_across_ranks(model, task.sequences, pack_tokens=task.pack_tokens, lockstep=True)
     results = task.results(scores)
-    task.write(tmp_path / "task", results, {"task": name}, title="tiny")
+    write_results(task, tmp_path / "task", results, {"task": name}, title="tiny")
     assert rows_of(tmp_path / "task") == rows_of(tmp_path / "command")
     command = json.loads((tmp_path / "command" / "summary.json").read_text())
     assert results.summary == {key: value for key, value in command.items() if key != "seconds"}
@@ -197,7 +204,7 @@ def test_the_callback_scores_at_its_steps_logs_writes_and_gives_the_model_back(t
     assert model.training  # given back in training mode
     out = capsys.readouterr().out
     assert out.count("eval_tasks: needle every 2 steps: 6 prompts") == 1
-    assert out.count("eval_tasks: the first evaluation (step 0) took needle") == 1
+    assert out.count("eval_tasks: needle's first evaluation (step 0) took") == 1
 
 
 def test_the_logged_scores_are_drawn_against_the_step(tmp_path):
@@ -280,7 +287,8 @@ def test_logged_scores_at_step_n_are_the_command_on_checkpoint_n(tmp_path, split
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.count("eval_tasks: needle every 2 steps: 6 prompts") == 1  # rank 0, once
     assert result.stdout.count("eval_tasks: ruler every 2 steps: 4 prompts") == 1
-    assert result.stdout.count("eval_tasks: the first evaluation (step 0) took needle") == 1
+    assert result.stdout.count("eval_tasks: needle's first evaluation (step 0) took") == 1
+    assert result.stdout.count("eval_tasks: ruler's first evaluation (step 0) took") == 1
     check_against_the_command(run, tmp_path, list(RUN_TASKS), dtype="float64", bound=1e-12)
 
 

@@ -45,7 +45,6 @@ from longalign.eval import needle as nd
 from longalign.eval import ruler
 from longalign.eval.needle import AnswerScore
 from longalign.eval.outputs import write_outputs
-from longalign.eval.ranks import rank_and_world
 
 PREFIX = "eval_tasks"  # of every logged name, and of the results' directory in output_dir
 
@@ -68,15 +67,22 @@ class ScoredTask(Protocol):
     sequences: list[tuple[list[int], list[int]]]  # (prompt_ids, answer_ids) of every prompt, in order
     pack_tokens: int  # tokens per packed row
 
+    plot_file: str  # the plot ``longalign eval`` draws of the summary
+
     def results(self, scores: Sequence[AnswerScore]) -> TaskResults: ...
 
-    def write(self, directory: Path, results: TaskResults, record: dict[str, Any], *, title: str) -> None: ...
+    def summary_csv(self, summary: dict[str, Any]) -> str: ...
+
+    def plot(self, summary: dict[str, Any], path: Path, *, title: str) -> None: ...
 
 
 class NeedleTask:
     """``[eval_tasks] needle``: the needle grid of ``longalign eval needle --score logprob``."""
 
     name = "needle"
+    plot_file = "heatmap.png"
+    summary_csv = staticmethod(nd.summary_csv)
+    plot = staticmethod(nd.plot_heatmap)
 
     def __init__(self, settings: NeedleTaskConfig, tokenizer) -> None:
         haystack = Path(settings.haystack) if settings.haystack else None
@@ -98,7 +104,7 @@ class NeedleTask:
         self.pack_tokens = settings.pack_tokens or nd.default_pack_tokens(self.cases)
 
     def results(self, scores: Sequence[AnswerScore]) -> TaskResults:
-        rows = nd.logprob_rows(self.cases, scores, self.tokenizer)
+        rows = [nd.logprob_row(c, s, self.tokenizer) for c, s in zip(self.cases, scores, strict=True)]
         summary = {**nd.summary(rows), "score": "logprob"}
         metrics = {
             f"{PREFIX}/needle": summary["overall"],
@@ -107,22 +113,14 @@ class NeedleTask:
         }
         return TaskResults(rows, summary, metrics)
 
-    def write(self, directory: Path, results: TaskResults, record: dict[str, Any], *, title: str) -> None:
-        write_outputs(
-            directory,
-            results.rows,
-            results.summary,
-            record,
-            stage="eval needle",
-            extra_files={"summary.csv": nd.summary_csv(results.summary)},
-            plot=lambda d: nd.plot_heatmap(results.summary, d / "heatmap.png", title=title),
-        )
-
 
 class RulerTask:
     """``[eval_tasks] ruler``: RULER's tasks as ``longalign eval ruler --score logprob`` builds them."""
 
     name = "ruler"
+    plot_file = "ruler.png"
+    summary_csv = staticmethod(ruler.summary_csv)
+    plot = staticmethod(ruler.plot_heatmap)
 
     def __init__(self, settings: RulerTaskConfig, tokenizer) -> None:
         hotpot = ruler.read_hotpot(Path(settings.hotpot)) if settings.hotpot else None
@@ -161,17 +159,6 @@ class RulerTask:
             },
         }
         return TaskResults(rows, summary, metrics)
-
-    def write(self, directory: Path, results: TaskResults, record: dict[str, Any], *, title: str) -> None:
-        write_outputs(
-            directory,
-            results.rows,
-            results.summary,
-            record,
-            stage="eval ruler",
-            extra_files={"summary.csv": ruler.summary_csv(results.summary)},
-            plot=lambda d: ruler.plot_heatmap(results.summary, d / "ruler.png", title=title),
-        )
 
 
 def _ruler_tasks(given: list[str] | None, *, hotpot) -> list[str]:
@@ -212,6 +199,21 @@ def build_tasks(config: EvalTasksConfig, tokenizer, *, context_limit: int | None
     return tasks
 
 
+def write_results(
+    task: ScoredTask, directory: Path, results: TaskResults, record: dict[str, Any], *, title: str
+) -> None:
+    """The files ``longalign eval`` writes for the task, into ``directory``."""
+    write_outputs(
+        directory,
+        results.rows,
+        results.summary,
+        record,
+        stage=f"eval {task.name}",
+        extra_files={"summary.csv": task.summary_csv(results.summary)},
+        plot=lambda d: task.plot(results.summary, d / task.plot_file, title=title),
+    )
+
+
 def plan(tasks: Sequence[ScoredTask], world_size: int) -> list[str]:
     """What one evaluation of each task costs, a line each:
 
@@ -243,7 +245,7 @@ class EvalTasksCallback(TrainerCallback):
         self.trainer = trainer
         self.tasks = list(tasks)
         self.on_start = on_start
-        self.first_done = False
+        self.timed: set[str] = set()  # the tasks whose first evaluation has been timed
 
     def on_train_begin(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
@@ -283,15 +285,17 @@ class EvalTasksCallback(TrainerCallback):
         for task, results, seconds in done:
             results.summary.update(seconds=round(seconds, 3), step=step)
             logs.update({name: value for name, value in results.metrics.items() if value is not None})
-            if rank_and_world()[0] == 0:
-                record = {"task": task.name, "step": step, "settings": dataclasses.asdict(task.settings)}
-                title = f"{Path(trainer.args.output_dir).name} step {step} (logprob)"
-                task.write(Path(trainer.args.output_dir) / PREFIX / f"step-{step}" / task.name, results, record,
-                           title=title)  # fmt: skip
-        if not self.first_done and trainer.is_world_process_zero():
-            each = ", ".join(f"{task.name} {seconds:.1f} s" for task, _, seconds in done)
-            print(f"{PREFIX}: the first evaluation (step {step}) took {each}", flush=True)
-        self.first_done = True
+            if not trainer.is_world_process_zero():
+                continue
+            record = {"task": task.name, "step": step, "settings": dataclasses.asdict(task.settings)}
+            title = f"{Path(trainer.args.output_dir).name} step {step} (logprob)"
+            directory = Path(trainer.args.output_dir) / PREFIX / f"step-{step}" / task.name
+            write_results(task, directory, results, record, title=title)
+            if task.name not in self.timed:
+                print(
+                    f"{PREFIX}: {task.name}'s first evaluation (step {step}) took {seconds:.1f} s", flush=True
+                )
+        self.timed.update(task.name for task in tasks)
         should_log = trainer.control.should_log  # the step's own log line, which logging would cancel
         trainer.log(logs)
         trainer.control.should_log = should_log

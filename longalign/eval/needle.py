@@ -387,11 +387,6 @@ def score_row(
     return scores
 
 
-def logprob_rows(cases: Sequence[NeedleCase], scores: Sequence[AnswerScore], tokenizer) -> list[dict]:
-    """The ``results.jsonl`` rows of teacher-forced readings, one per case, in order."""
-    return [logprob_row(c, s, tokenizer) for c, s in zip(cases, scores, strict=True)]
-
-
 def logprob_row(case: NeedleCase, score: AnswerScore, tokenizer) -> dict:
     """The ``results.jsonl`` row of a teacher-forced reading: 100 if greedy decoding gives the answer."""
     row = _row(case)
