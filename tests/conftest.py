@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -210,6 +211,24 @@ def load_script(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+OFFLINE = Path(__file__).resolve().parent / "offline"  # its sitecustomize.py blocks all but the loopback
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """In this process only 127.0.0.1 can be reached (as under ``network_blocked_env``), the hub offline."""
+    spec = importlib.util.spec_from_file_location("offline_guard", OFFLINE / "sitecustomize.py")
+    guard = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(guard)
+    monkeypatch.setattr(socket.socket, "connect", guard.guarded(socket.socket.connect))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def network_blocked_env() -> dict[str, str]:
+    """Environment variables under which started processes (every rank of a launch) reach only the loopback."""
+    return {"PYTHONPATH": str(OFFLINE), "HF_HUB_OFFLINE": "1"}
 
 
 def run_process(cmd: list[str], *, timeout: float, **kwargs) -> subprocess.CompletedProcess:

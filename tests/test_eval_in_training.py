@@ -2,7 +2,8 @@
 
 The fast tests build the tasks and run the callback in one process; the launched ones train on two CPU
 ranks (DDP, DDP with packs split over both ranks, ZeRO-3 with packs split) and score every saved
-checkpoint afterwards with the command, whose files must equal what the run wrote and logged.
+checkpoint afterwards with the command, whose files must equal what the run wrote and logged. Everything
+runs with the network blocked (every rank of a launch too): only 127.0.0.1 can be reached.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from conftest import (
     launch_with_config,
     needs_deepspeed,
     needs_launcher,
+    network_blocked_env,
     save_packs,
     save_tiny_model,
     tiny_model,
@@ -32,7 +34,7 @@ from transformers import AutoTokenizer, TrainerCallback, TrainingArguments
 
 from longalign.artifacts import load_stage
 from longalign.cli import main
-from longalign.config import EvalTasksConfig, NeedleTaskConfig
+from longalign.config import EvalTasksConfig, NeedleTaskConfig, load_config
 from longalign.errors import ConfigError
 from longalign.eval import needle as nd
 from longalign.eval.in_training import (
@@ -74,6 +76,11 @@ def logged_numbers(name: str, summary: dict) -> dict[str, float]:
             for n, v in cells.items()
         },
     }
+
+
+@pytest.fixture(autouse=True)
+def offline(no_network):
+    """Nothing here may reach the network: the prompts, haystacks and word lists are all local."""
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +161,21 @@ def test_prompts_that_do_not_fit_name_the_key(tokenizer):
 def test_ruler_tasks_that_cannot_be_scored_name_the_key(tokenizer, tasks, message):
     with pytest.raises(ConfigError, match=message):
         build_tasks(EvalTasksConfig(ruler={"every_steps": 1, "tasks": tasks}), tokenizer, context_limit=None)
+
+
+def test_the_dry_run_of_the_retrieval_demo_builds_its_prompts_and_says_what_they_cost(
+    tokenized_sample, tmp_path
+):
+    from longalign.run import dry_run
+
+    overrides = [f"data.train_file={json.dumps(str(tokenized_sample))}", f"training.output_dir={json.dumps(str(tmp_path))}",
+                 "data.max_seq_len=1024"]  # fmt: skip
+    result = dry_run(load_config(ROOT / "configs" / "demo_retrieval.toml", overrides))
+    assert result["eval_tasks"] == [
+        "needle every 25 steps: 30 prompts, 5,914 tokens in 7 rows of up to 1,024 (7 forwards per rank)"
+    ]
+    settings = {key: value for key, value, _ in result["settings"]}
+    assert settings["eval_tasks.needle"]["every_steps"] == 25 and settings["eval_tasks.on_start"] is True
 
 
 class Logged(TrainerCallback):
@@ -278,11 +300,11 @@ PACKS = [[40, 21], [30], [50, 11], [25, 24], [60], [33, 20]]
 def test_logged_scores_at_step_n_are_the_command_on_checkpoint_n(tmp_path, split):
     """DDP on 2 CPU ranks in float64, and with every pack split over both ranks (the scoring attends whole
     rows, around the split): the command's rows, so its scores, to float64 rounding."""
-    run = tmp_path / "run"
+    run, packs = tmp_path / "run", save_packs(tmp_path / "packs", count_packs(PACKS))
     result = launch(
-        ROOT / "train.py", "--config", str(DEMO), *run_overrides(run, save_packs(tmp_path / "packs", count_packs(PACKS)),
-        list(RUN_TASKS)), "model.torch_dtype='float64'", f"training.sequence_parallel_size={split}", cwd=ROOT,
-        timeout=800,
+        ROOT / "train.py", "--config", str(DEMO), *run_overrides(run, packs, list(RUN_TASKS)),
+        "model.torch_dtype='float64'", f"training.sequence_parallel_size={split}", env=network_blocked_env(),
+        cwd=ROOT, timeout=800,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.count("eval_tasks: needle every 2 steps: 6 prompts") == 1  # rank 0, once
@@ -302,7 +324,7 @@ def test_zero3_with_split_packs_scores_on_every_rank_without_hanging(tmp_path):
     result = launch_with_config(
         "zero3.yaml", "train.py", "--config", str(DEMO),
         *run_overrides(run, save_packs(tmp_path / "packs", count_packs(PACKS)), ["needle"]),
-        "training.sequence_parallel_size=2", timeout=800,
+        "training.sequence_parallel_size=2", env=network_blocked_env(), timeout=800,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert "DeepSpeed ZeRO-3 over 2 CPU ranks on 1 node; sequence parallel: 2 ranks per pack" in result.stdout
