@@ -6,8 +6,8 @@ Every line is one conversation, ``{"messages": [{"role": "user", ...}, {"role": 
 built like a prompt of ``longalign eval needle`` (``longalign.eval.needle``): its introduction, filler
 sentences of the same grammar with the needle "The special magic number for amber-otter is 4812397." at
 a random sentence boundary, its question; the assistant answers "The special magic number for
-amber-otter is 4812397." The keys, values, fillers and depths come from their own seed (``--seed``), so
-the needle prompts of an eval are never among them. ``scripts/demo_retrieval.sh`` trains the demo model on
+amber-otter is 4812397." The values, fillers and depths come from seeds of their own (``--seed``), so
+the needle prompts of an eval are never among them (the keys come from the same 100 word pairs). ``scripts/demo_retrieval.sh`` trains the demo model on
 these chats next to the shipped sample and logs the needle score as it learns.
 
 Deterministic: the same arguments write the same bytes (``random.Random`` seeded per chat).
