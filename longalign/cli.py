@@ -274,8 +274,9 @@ def _probe_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _probe(args: argparse.Namespace) -> int:
+    from longalign.arguments import parse_lengths
     from longalign.config import load_config
-    from longalign.probe import ProbeRequest, ladder, parse_lengths, parse_size
+    from longalign.probe import ProbeRequest, ladder, parse_size
 
     if (args.gpus or args.gpu_memory) and not args.plan:
         raise ConfigError("--gpus and --gpu-memory describe the GPUs of a plan: add --plan LENGTHS")

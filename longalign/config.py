@@ -23,11 +23,15 @@ A run file looks like::
     [lora]                             # optional: train LoRA adapters instead of every weight
     r = 16
 
+    [eval_tasks]                       # optional: long-context scores while training
+    needle = { lengths = [4096, 16384], depths = [0, 50, 100], every_steps = 200 }
+
 Names that LongAlign-style run files use for a setting (``sort_by_length``, ``use_flash_attention``, ...)
 are accepted as aliases of one canonical key each (``ALIASES``). The file is read first, then the command
 line's overrides; within one of them, an alias and its canonical key that disagree are an error naming
 both, and the command line wins over the file. An unknown section or key, or a value of the wrong type,
-is an error that names it. ``Config.sources`` says where every setting came from.
+is an error that names it; a table's field is overridden as ``section.key.field=value`` (``eval_tasks.needle.
+every_steps=50``). ``Config.sources`` says where every setting came from.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from longalign.arguments import parse_length
 from longalign.errors import ConfigError, InputError, did_you_mean
 
 if sys.version_info >= (3, 11):
@@ -56,12 +61,15 @@ BACKENDS = ("flash_attn", "flash_attn_cute", "torch_varlen", "sdpa_segments")  #
 # exactly over the whole step; then two references that reproduce what released code computes.
 EXACT_WEIGHTINGS = ("sequence_level", "token_level")
 WEIGHTINGS = (*EXACT_WEIGHTINGS, "pack_token_mean", "longwriter")
-IGNORE_INDEX = (
-    -100
-)  # the label of a token that is not a target (longalign.labels writes it, the loss skips it)
+# The label of a token that is not a target (longalign.labels writes it, the loss skips it).
+IGNORE_INDEX = -100
 STRATEGIES = ("bfd", "ffd", "greedy", "sorted", "none")  # longalign.packing.pack
 TRUNCATIONS = ("right", "left", "drop")  # longalign.tokenize: what becomes of a sample over max_seq_len
-TORCH_DTYPES = ("auto", "float32", "bfloat16", "float16")
+TORCH_DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")  # float64: CPU checks of identities
+# The needle grid's defaults, in the run file's [eval_tasks] and in `longalign eval needle`.
+NEEDLE_LENGTHS = (1000, 2000, 4000, 8000)
+NEEDLE_DEPTHS = (0, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100)
+RULER_LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072)  # [eval_tasks] ruler's and `longalign eval ruler`'s
 
 
 @dataclass(frozen=True)
@@ -222,7 +230,7 @@ class ModelConfig:
     tokenizer: str | None = None  # defaults to model_name_or_path
     trust_remote_code: bool = False
     attn_backend: str = "auto"  # auto (the fastest that runs) | flash_attn | flash_attn_cute | ...
-    torch_dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    torch_dtype: str = "auto"  # auto | float32 | bfloat16 | float16 | float64 (CPU checks of identities)
     save_format: str = "auto"  # auto: the layout the model was loaded in (ChatGLM stays ChatGLM) | native
     # Settings of the checkpoint's config changed before its weights load, and saved with the trained model:
     # RoPE past the checkpoint's window, e.g. { max_position_embeddings = 1048576, rope_parameters =
@@ -386,6 +394,141 @@ class TrainingConfig:
                 )
 
 
+@dataclass
+class NeedleTaskConfig:
+    """``[eval_tasks] needle``: the grid of ``longalign eval needle --score logprob``, scored while training.
+
+    The same settings give the same prompts as the command's flags of the same names.
+    """
+
+    every_steps: int  # score after every this many optimizer steps (required)
+    lengths: list[int | str] = field(default_factory=lambda: list(NEEDLE_LENGTHS))  # whole prompt: 4096, "4k"
+    depths: list[int] = field(default_factory=lambda: list(NEEDLE_DEPTHS))  # percent of the haystack
+    samples_per_cell: int = 1  # prompts per length and depth
+    seed: int = 0  # the prompts' randomness: each prompt's key and value, where its haystack starts
+    haystack: str | None = None  # a .txt file or a directory of them; default: generated filler sentences
+    pack_tokens: int | None = None  # tokens per packed row; default: the longest prompt with its answer
+
+    def __post_init__(self) -> None:
+        where = "eval_tasks.needle"
+        _check_task_counts(where, self, ("every_steps", "samples_per_cell", "pack_tokens"))
+        self.lengths = _token_counts(f"{where}.lengths", self.lengths)
+        bad = [d for d in self.depths if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d <= 100]
+        if bad or not self.depths:
+            raise ConfigError(f"{where}.depths: expected percentages from 0 to 100, got {self.depths!r}")
+        self.depths = sorted(set(self.depths))  # as the command reads --depths
+
+
+@dataclass
+class RulerTaskConfig:
+    """``[eval_tasks] ruler``: RULER's tasks as ``longalign eval ruler --score logprob`` builds them, scored
+    while training. The same settings give the same prompts as the command's flags of the same names."""
+
+    every_steps: int  # score after every this many optimizer steps (required)
+    tasks: list[str] | None = None  # default: every task whose answer has one order (qa_hotpot: with hotpot)
+    lengths: list[int | str] = field(default_factory=lambda: list(RULER_LENGTHS))  # whole prompt: 4096, "4k"
+    samples_per_task: int = 100  # prompts per task and length
+    seed: int = 0  # the prompts' randomness
+    haystack: str | None = None  # essay text: a .txt file or a directory of them; default: filler sentences
+    hotpot: str | None = None  # HotpotQA's JSON, for qa_hotpot
+    pack_tokens: int | None = None  # tokens per packed row; default: the longest prompt with its answer
+    threshold: float | None = None  # of the effective length; default: RULER's 85.6
+
+    def __post_init__(self) -> None:
+        where = "eval_tasks.ruler"
+        _check_task_counts(where, self, ("every_steps", "samples_per_task", "pack_tokens"))
+        self.lengths = _token_counts(f"{where}.lengths", self.lengths)
+        if self.tasks is not None and (not self.tasks or not all(isinstance(t, str) for t in self.tasks)):
+            raise ConfigError(
+                f"{where}.tasks: expected task names, got {self.tasks!r}; leave it out for the default"
+            )
+        if self.threshold is not None and not 0 <= self.threshold <= 100:
+            raise ConfigError(f"{where}.threshold: expected a score from 0 to 100, got {self.threshold}")
+
+
+def _check_task_counts(where: str, settings: Any, keys: tuple[str, ...]) -> None:
+    for key in keys:
+        value = getattr(settings, key)
+        if value is not None and value < 1:
+            raise ConfigError(f"{where}.{key}: must be >= 1, got {value}")
+
+
+def _token_counts(where: str, values: list[Any]) -> list[int]:
+    """Lengths written 4096 or "4k", smallest first without repeats (as the commands read ``--lengths``)."""
+    lengths = set()
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, int | str):
+            raise ConfigError(f'{where}: expected token counts such as 4096 or "4k", got {value!r}')
+        if isinstance(value, int) and value < 1:
+            raise ConfigError(f"{where}: expected positive token counts, got {value}")
+        try:
+            lengths.add(parse_length(value) if isinstance(value, str) else value)
+        except ConfigError as err:
+            raise ConfigError(f"{where}: {err}") from None
+    if not lengths:
+        raise ConfigError(f"{where}: an empty list scores nothing; leave it out for the default")
+    return sorted(lengths)
+
+
+# The tasks of [eval_tasks]: the key that names each, and the settings of its table.
+EVAL_TASKS = {"needle": NeedleTaskConfig, "ruler": RulerTaskConfig}
+
+
+@dataclass
+class EvalTasksConfig:
+    """``[eval_tasks]``: long-context tasks the trainer's own model scores teacher-forced while it trains.
+
+    ``needle = { lengths = [4096, 16384], every_steps = 200 }``, ``ruler = { tasks = ["vt"], every_steps = 500 }``:
+    one table per task (``EVAL_TASKS``), checked by ``tasks()``.
+    """
+
+    needle: dict[str, Any] | None = None  # NeedleTaskConfig's fields
+    ruler: dict[str, Any] | None = None  # RulerTaskConfig's fields
+    on_start: bool = True  # also score the model as it starts, before the first step (not on a resume)
+
+    def __post_init__(self) -> None:
+        if not self.tasks():
+            raise ConfigError(
+                f"[eval_tasks]: names no task; add one of {', '.join(EVAL_TASKS)}, e.g. needle = {{ every_steps = 200 }}"
+            )
+
+    def tasks(self) -> dict[str, Any]:
+        """The settings of every task named, by task: ``{"needle": NeedleTaskConfig(...)}``."""
+        return {
+            name: _table_settings(f"eval_tasks.{name}", getattr(self, name), cls)
+            for name, cls in EVAL_TASKS.items()
+            if getattr(self, name) is not None
+        }
+
+
+def _table_settings(where: str, table: Any, cls: type) -> Any:
+    """``cls(**table)`` for a run file's inline table, every key known and of its type; errors name ``where``."""
+    if not isinstance(table, dict):
+        raise ConfigError(
+            f"{where}: expected a table, e.g. {{ every_steps = 200 }}, got {type(table).__name__}"
+        )
+    hints = typing.get_type_hints(cls)
+    fields = [f for f in dataclasses.fields(cls) if f.init]
+    names = [f.name for f in fields]
+    for key, value in table.items():
+        if key not in names:
+            raise ConfigError(f"{where}.{key}: unknown key{did_you_mean(key, names)}")
+        if not _matches(value, hints[key]):
+            raise ConfigError(
+                f"{where}.{key}: expected {_describe(hints[key])}, got {type(value).__name__} {value!r}"
+            )
+    required = [
+        f.name
+        for f in fields
+        if f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+        and f.name not in table
+    ]
+    if required:
+        raise ConfigError(f"{where}.{required[0]}: missing; it is required")
+    return cls(**table)
+
+
 _OWN_TRAINING_KEYS = [f.name for f in dataclasses.fields(TrainingConfig) if f.name != "args"]
 
 SECTIONS = {
@@ -395,7 +538,9 @@ SECTIONS = {
     "training": TrainingConfig,
     "model": ModelConfig,
     "lora": LoraConfig,  # optional: only a run file (or override) that names it trains adapters
+    "eval_tasks": EvalTasksConfig,  # optional: only a run file (or override) that names it scores tasks
 }
+_OPTIONAL_SECTIONS = ("lora", "eval_tasks")
 
 
 @dataclass(frozen=True)
@@ -473,6 +618,7 @@ class Config:
     training: TrainingConfig
     model: ModelConfig
     lora: LoraConfig | None = None  # None: full fine-tuning
+    eval_tasks: EvalTasksConfig | None = None  # None: no long-context scores while training
     # "section.key" -> where its value came from: a file path or "command line", with the alias written
     sources: dict[str, str] = field(default_factory=dict)
 
@@ -506,13 +652,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
                 if other not in layer:
                     values.pop(other, None)
                     sources.pop(other, None)
-            values[key] = value
-            sources[key] = origin if written == key else f"{origin} (as {written})"
+            where = origin if written == key else f"{origin} (as {written})"
+            if isinstance(value, _Fields) and isinstance(values.get(key), dict):  # into the file's table
+                value, where = {**values[key], **value}, f"{sources[key]} + {where}"
+            values[key] = dict(value) if isinstance(value, _Fields) else value
+            sources[key] = where
     _resolve_sorting(values, sources, packing_on=any(_says_packing(tables) for _, tables in layers))
     built: dict[str, Any] = {}
     for name, cls in SECTIONS.items():
-        if cls is LoraConfig and not any(name in tables for _, tables in layers):
-            continue  # no [lora] anywhere: full fine-tuning
+        if name in _OPTIONAL_SECTIONS and not any(name in tables for _, tables in layers):
+            continue  # no [lora] anywhere: full fine-tuning; no [eval_tasks]: no scores
         table = {key.partition(".")[2]: value for key, value in values.items() if key.startswith(name + ".")}
         if cls is TrainingConfig:
             own = {key: table.pop(key) for key in _OWN_TRAINING_KEYS if key in table}
@@ -562,19 +711,40 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
 
 
+class _Fields(dict):
+    """Fields of a table set one by one on the command line (``section.key.field=value``): merged into the
+    table an earlier layer set, where a plain value replaces it."""
+
+
 def _overrides_table(overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
-    """``section.key=value`` items as tables; a value is read as TOML, else taken as a string."""
+    """``section.key=value`` (and ``section.key.field=value``) items as tables; a value is read as TOML, else
+    taken as a string."""
     tables: dict[str, Any] = {}
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or "." not in key:
             raise ConfigError(f"override {item!r}: expected section.key=value")
         section, _, name = key.strip().partition(".")
+        name, _, inner = name.partition(".")
         try:
             value = tomllib.loads(f"v = {raw.strip()}")["v"]
         except tomllib.TOMLDecodeError:
             value = raw.strip()
-        tables.setdefault(section, {})[name] = value
+        table = tables.setdefault(section, {})
+        if "." in inner:
+            raise ConfigError(f"override {item!r}: expected section.key=value or section.key.field=value")
+        if inner:
+            if name in table and not isinstance(table[name], _Fields):
+                raise ConfigError(
+                    f"override {item!r}: {section}.{name} is also set whole; set one or the other"
+                )
+            table.setdefault(name, _Fields())[inner] = value
+        elif isinstance(table.get(name), _Fields):
+            raise ConfigError(
+                f"override {item!r}: {section}.{name} has fields set one by one too; set one or the other"
+            )
+        else:
+            table[name] = value
     return tables
 
 

@@ -42,7 +42,6 @@ from longalign.probe_step import ERROR, FITS, OUT_OF_MEMORY
 from longalign.redact import redact_override
 from longalign.run import load_tokenizer, model_config, overrides_note
 
-_LENGTH = re.compile(r"(\d+)([km]?)", re.IGNORECASE)
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)", re.IGNORECASE)
 _POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
 
@@ -55,27 +54,6 @@ STOPPED = (
 # 8k-16k and 16k-32k. Tensors of 64 KiB and more taken straight from the OS go back to it when freed: 1.0
 # and 1.0 KiB. Set for the step unless the environment sets it.
 CPU_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": "65536"}
-
-
-def parse_length(text: str) -> int:
-    """A token count written as ``4k`` (4096), ``1m`` (1048576) or a plain integer.
-
-    >>> parse_length("64k"), parse_length("3000")
-    (65536, 3000)
-    """
-    match = _LENGTH.fullmatch(text.strip())
-    if not match or int(match[1]) == 0:
-        raise ConfigError(f"length {text!r}: expected a positive token count such as 4096, 4k or 1m")
-    return int(match[1]) * 1024 ** _POWERS[match[2].lower()]
-
-
-def parse_lengths(text: str) -> list[int]:
-    """A comma-separated ladder of lengths, smallest first, without repeats.
-
-    >>> parse_lengths("16k,4k,8k,4096")
-    [4096, 8192, 16384]
-    """
-    return sorted({parse_length(part) for part in text.split(",") if part.strip()})
 
 
 def parse_size(text: str) -> int:

@@ -28,7 +28,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from longalign.artifacts import write_json
-from longalign.config import load_config
+from longalign.config import Config, load_config
 from longalign.run import build_trainer, parameter_sizes
 
 FITS = "fits"
@@ -129,6 +129,19 @@ def classify_failure(error: BaseException) -> str:
     return OUT_OF_MEMORY if "out of memory" in text or "can't allocate memory" in text else ERROR
 
 
+def step_config(
+    config: Path, overrides: Sequence[str], length: int, packs: Path, *, full: bool = False
+) -> Config:
+    """The run file as the probe's steps train it: :func:`probe_overrides` applied, no ``[eval_tasks]``.
+
+    Only the training steps are measured, so no task is scored next to them; ``full`` also drops
+    ``[lora]`` (full fine-tuning of the same model).
+    """
+    steps = probe_overrides(length, train_file=packs, output_dir=packs.parent / "run")
+    cfg = load_config(config, [*overrides, *steps])
+    return dataclasses.replace(cfg, eval_tasks=None, lora=None if full else cfg.lora)
+
+
 def run_step(
     config: Path,
     overrides: Sequence[str],
@@ -149,9 +162,7 @@ def run_step(
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
             total = torch.cuda.get_device_properties(device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, max_memory / total), device)
-        steps = probe_overrides(length, train_file=packs, output_dir=packs.parent / "run")
-        cfg = load_config(config, [*overrides, *steps])
-        trainer = build_trainer(dataclasses.replace(cfg, lora=None) if full else cfg)
+        trainer = build_trainer(step_config(config, overrides, length, packs, full=full))
         result = {"status": FITS, **measure_steps(trainer)}
     except Exception as err:  # any failure is the answer for this length, reported in one line
         first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]

@@ -124,6 +124,8 @@ def dry_run_summary(result: dict) -> str:
                     f"  mix: {source['name']}: {source['taken']:,} of {source['available']:,} ({source['rule']})"
                 )
             lines += ["  " + line for line in pack_summary(entry["pack"], entry["path"]).splitlines()[:-1]]
+    if result["eval_tasks"]:
+        lines += ["", "eval_tasks (each evaluation):"] + [f"  {line}" for line in result["eval_tasks"]]
     if result["needs_gpu"]:
         lines += [
             "",

@@ -495,7 +495,7 @@ def parameter_sizes(model: torch.nn.Module) -> dict[str, int]:
 
 
 def build_trainer(cfg: Config) -> LongAlignTrainer:
-    """Everything a run sets up before ``train()``: arguments, tokenizer, model, packs, trainer."""
+    """Everything a run sets up before ``train()``: arguments, tokenizer, model, packs, eval tasks, trainer."""
     args = training_arguments(cfg)
     check_sequence_parallel(cfg, args.world_size, parallelism=args.parallelism_config)
     tokenizer = load_tokenizer(cfg)
@@ -506,6 +506,7 @@ def build_trainer(cfg: Config) -> LongAlignTrainer:
     check_positions(config, train_packs, "the training data", cfg)
     if eval_packs is not None:
         check_positions(config, eval_packs, "the eval data", cfg)
+    tasks = eval_tasks(cfg, tokenizer, config)
     transformers.set_seed(args.seed)
     model = load_model(cfg, args.device)
     check_vocabulary(model, train_packs, "the training data")
@@ -516,7 +517,7 @@ def build_trainer(cfg: Config) -> LongAlignTrainer:
         from longalign.lora import adapted_head
 
         model, read_head = adapt(model, cfg, args), adapted_head
-    return LongAlignTrainer(
+    trainer = LongAlignTrainer(
         model=model,
         args=args,
         train_dataset=train_packs,
@@ -534,6 +535,24 @@ def build_trainer(cfg: Config) -> LongAlignTrainer:
         save_layout=final_saver(cfg),
         save_with_model=adapter_files(cfg),
     )
+    if tasks:
+        from longalign.eval.in_training import EvalTasksCallback
+
+        trainer.add_callback(EvalTasksCallback(trainer, tasks, on_start=cfg.eval_tasks.on_start))
+    return trainer
+
+
+def eval_tasks(cfg: Config, tokenizer, config) -> list:
+    """The tasks of ``[eval_tasks]`` with their prompts (``longalign.eval.in_training``); none without it.
+
+    ``config`` is the model's (``model_config``): no prompt may be longer than its window.
+    """
+    if cfg.eval_tasks is None:
+        return []
+    from longalign.eval.in_training import build_tasks
+
+    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
+    return build_tasks(cfg.eval_tasks, tokenizer, context_limit=limit)
 
 
 def adapter_files(cfg: Config) -> dict[str, Any]:
@@ -684,10 +703,12 @@ def dry_run(cfg: Config) -> dict[str, Any]:
     """Everything but the training, as far as this machine can check it, with no download.
 
     Returns ``{"settings": [(key, value, source), ...], "config_overrides": note or None, "data": {"train":
-    {...}, "eval": {...}}, "needs_gpu": [...], "not_checked": [...]}``: each data entry has the packed
-    directory and the pre-tokenize and pack reports (those that exist); the note says what
-    ``model.config_overrides`` change (:func:`overrides_note`). No model weights are loaded; the checks of
-    the data's token ids (vocabulary) and sample lengths (window) read the model's config alone. What cannot be checked here is listed, one line each, instead of
+    {...}, "eval": {...}}, "eval_tasks": [...], "needs_gpu": [...], "not_checked": [...]}``: each data entry
+    has the packed directory and the pre-tokenize and pack reports (those that exist); the note says what
+    ``model.config_overrides`` change (:func:`overrides_note`); ``eval_tasks`` what one evaluation of each
+    task of ``[eval_tasks]`` costs, its prompts built. No model weights are loaded; the checks of the data's
+    token ids (vocabulary) and sample lengths (window) read the model's config alone. What cannot be
+    checked here is listed, one line each, instead of
     failing: settings that need a GPU on a machine without one (``needs_gpu``), and a tokenizer or model
     config that is neither a local directory nor in the Hugging Face cache, or data files that are not
     on this machine (``not_checked``). A machine where people plan GPU jobs has neither GPU nor data.
@@ -697,6 +718,7 @@ def dry_run(cfg: Config) -> dict[str, Any]:
     try:
         tokenizer = _local_tokenizer(cfg, not_checked)
         config = _local_model_config(cfg, not_checked)
+        text_config = config.get_text_config() if config is not None else None
         data = {}
         for which in ("train", "eval") if cfg.data.eval_file else ("train",):
             sources = cfg.data.train_sources() if which == "train" else [Source(cfg.data.eval_file)]
@@ -722,10 +744,19 @@ def dry_run(cfg: Config) -> dict[str, Any]:
                 read_report(tokenized) if tokenized and (tokenized / REPORT_NAME).exists() else None
             )
             data[which] = {"path": str(path), **reports}
+        tasks = []
+        if cfg.eval_tasks is not None and tokenizer is None:
+            not_checked.append("eval_tasks: the prompts are built with the tokenizer; not built")
+        elif cfg.eval_tasks is not None:
+            from longalign.eval.in_training import build_tasks, plan
+
+            limit = getattr(text_config, "max_position_embeddings", None)
+            tasks = plan(build_tasks(cfg.eval_tasks, tokenizer, context_limit=limit), args.world_size)
         return {
             "settings": resolved_settings(cfg),
             "config_overrides": overrides_note(_local_model(cfg)) if config is not None else None,
             "data": data,
+            "eval_tasks": tasks,
             "needs_gpu": needs_gpu,
             "not_checked": not_checked,
         }

@@ -14,7 +14,8 @@ the model (PEFT, FSDP); gradient checkpointing may be enabled before or after.
 
 ``apply(model, sequence_parallel_size=N)`` with N > 1 splits every pack over groups of N ranks: the
 varlen attention runs inside DeepSpeed's Ulysses layer (``sequence_parallel``), and each rank's batches
-must be its slices of the pack (``longalign.batching.PackCollator``).
+must be its slices of the pack (``longalign.batching.PackCollator``); ``with whole_rows(model):`` it
+attends without splitting for a while (scoring during training).
 
 Families with a module of their own: ``llama`` (Llama 3), ``glm`` (GLM, GLM-4). Other decoders with rotary
 positions and attention through transformers' ``AttentionInterface`` take the ``generic`` path.
@@ -40,7 +41,7 @@ from .glm import GLM, GLM4, REMOTE_CODE_HINTS
 from .interface import ATTENTION_NAMES, register, varlen_attention_forward
 from .llama import LLAMA
 from .offload import offload_checkpointed_inputs
-from .sequence_parallel import sequence_parallel_problems, wrap
+from .sequence_parallel import sequence_parallel_problems, whole_rows, wrap
 from .tiled_mlp import TILEABLE_MLPS, tile_mlp
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "supported",
     "tile_mlp",
     "varlen_attention_forward",
+    "whole_rows",
 ]
 
 FAMILIES = (LLAMA, GLM, GLM4)

@@ -18,6 +18,8 @@ DeepSpeed builds its groups once per process; a second model with the same atten
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -113,6 +115,31 @@ def wrap(model: torch.nn.Module, size: int, backend: str) -> str:
     )
     _WRAPPED[name] = shape
     return name
+
+
+@contextmanager
+def whole_rows(model: torch.nn.Module) -> Iterator[None]:
+    """Within the block, a model that splits packs over ranks attends as one that does not.
+
+    Its attention runs without DeepSpeed's Ulysses layer, so every rank can run whole rows of its own
+    (teacher-forced scoring during training: ``longalign.eval.in_training``) and gets what the unsplit
+    model computes, exactly; the exchange would otherwise take each rank's row for a slice of one row
+    shared by the group. A model that does not split packs is left as it is.
+    """
+    config = model.config
+    name = config._attn_implementation
+    if not (isinstance(name, str) and name.endswith(SUFFIX)):
+        yield
+        return
+    plain = name.removesuffix(SUFFIX)
+    backend = next(b for b, n in ATTENTION_NAMES.items() if n == plain)
+    if plain not in ALL_ATTENTION_FUNCTIONS:
+        register(backend)
+    config._attn_implementation = plain
+    try:
+        yield
+    finally:
+        config._attn_implementation = name
 
 
 def _attention_shape(config: Any, size: int) -> dict[str, int]:

@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -242,6 +243,32 @@ def save_samples(columns: dict[str, list], path: Path) -> Path:
     return path
 
 
+def load_script(name: str):
+    """``scripts/<name>.py`` as a module, to call its functions."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+OFFLINE = Path(__file__).resolve().parent / "offline"  # its sitecustomize.py blocks all but the loopback
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """In this process only 127.0.0.1 can be reached (as under ``network_blocked_env``), the hub offline."""
+    spec = importlib.util.spec_from_file_location("offline_guard", OFFLINE / "sitecustomize.py")
+    guard = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(guard)
+    monkeypatch.setattr(socket.socket, "connect", guard.guarded(socket.socket.connect))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def network_blocked_env() -> dict[str, str]:
+    """Environment variables under which started processes (every rank of a launch) reach only the loopback."""
+    return {"PYTHONPATH": str(OFFLINE), "HF_HUB_OFFLINE": "1"}
+
+
 def run_process(cmd: list[str], *, timeout: float, **kwargs) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd, capture_output=True, text=True)`` that ends the whole process tree on a timeout.
 
@@ -302,6 +329,21 @@ def launch(
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
            "--main_process_port", "0", str(script), *args]  # fmt: skip
     return run_process(cmd, env=environment, timeout=timeout, cwd=cwd)
+
+
+def launch_with_config(
+    accelerate_config: str, *args: str, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """``accelerate launch --config_file configs/accelerate/<accelerate_config>`` on 2 ranks, as a user would.
+
+    Each rank runs on CPU by the demo run file's ``use_cpu``, or by the launcher's ``ACCELERATE_USE_CPU``
+    when ``env`` sets it (what ``--cpu`` does).
+    """
+    cmd = [str(LAUNCHER), "launch", "--config_file", str(ROOT / "configs" / "accelerate" / accelerate_config),
+           "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", "0", *args]  # fmt: skip
+    return run_process(
+        cmd, timeout=timeout, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    )
 
 
 def demo_overrides(output_dir: Path, train_file: Path | str) -> list[str]:

@@ -391,6 +391,105 @@ def test_model_settings_the_config_consumes_are_no_typo():
     assert cfg.model.init_from_config["rope_theta"] == 500000.0  # folded into rope_parameters, not stray
 
 
+def test_eval_tasks_is_optional_and_reads_lengths_as_the_command_does(tmp_path):
+    assert load_config(None, [M]).eval_tasks is None  # no [eval_tasks]: no scores while training
+    path = write(
+        tmp_path,
+        "[model]\nmodel_name_or_path = 'm'\n[eval_tasks]\n"
+        'needle = { lengths = ["4k", 1000, 1000], depths = [100, 0, 50], every_steps = 200 }\n',
+    )
+    cfg = load_config(path)
+    needle = cfg.eval_tasks.tasks()["needle"]
+    assert (needle.lengths, needle.depths, needle.every_steps) == ([1000, 4096], [0, 50, 100], 200)
+    assert (needle.samples_per_cell, needle.seed, needle.haystack, needle.pack_tokens) == (1, 0, None, None)
+    assert cfg.eval_tasks.on_start  # the curve starts at the model as it was
+    ruler = load_config(None, [M, "eval_tasks.ruler.every_steps=500"]).eval_tasks.tasks()["ruler"]
+    assert (ruler.lengths, ruler.samples_per_task, ruler.tasks, ruler.threshold) == (
+        [4096, 8192, 16384, 32768, 65536, 131072], 100, None, None)  # fmt: skip  # the command's defaults
+    assert load_config(None, [M, "eval_tasks.needle.every_steps=5"]).eval_tasks.tasks()["needle"].lengths == [
+        1000, 2000, 4000, 8000]  # fmt: skip  # the command's default grid
+
+
+def test_a_field_of_a_table_is_overridden_on_its_own(tmp_path):
+    path = write(
+        tmp_path,
+        "[model]\nmodel_name_or_path = 'm'\n[eval_tasks]\nneedle = { lengths = [512], every_steps = 200 }\n",
+    )
+    cfg = load_config(path, ["eval_tasks.needle.every_steps=50", "eval_tasks.needle.seed=3"])
+    assert cfg.eval_tasks.needle == {"lengths": [512], "every_steps": 50, "seed": 3}
+    assert cfg.source("eval_tasks.needle") == f"{path} + command line"
+    whole = load_config(path, ["eval_tasks.needle={every_steps = 7}"])  # a whole table replaces the file's
+    assert whole.eval_tasks.needle == {"every_steps": 7}
+    for overrides, message in [
+        (["eval_tasks.needle={every_steps = 7}", "eval_tasks.needle.seed=1"], "set one or the other"),
+        (["eval_tasks.needle.seed=1", "eval_tasks.needle={every_steps = 7}"], "set one or the other"),
+        (["eval_tasks.needle.a.b=1"], "expected section.key=value or section.key.field=value"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(path, overrides)
+
+
+EVERY = "eval_tasks.needle.every_steps=2"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            [EVERY, "eval_tasks.needle.lenghts=[512]"],
+            r"eval_tasks.needle.lenghts: unknown key; did you mean 'lengths'\?",
+        ),
+        (
+            [EVERY, "eval_tasks.needle.lengths=['4x']"],
+            "eval_tasks.needle.lengths: length '4x': expected a positive",
+        ),
+        (
+            [EVERY, "eval_tasks.needle.lengths=[0]"],
+            "eval_tasks.needle.lengths: expected positive token counts, got 0",
+        ),
+        ([EVERY, "eval_tasks.needle.lengths=[]"], "eval_tasks.needle.lengths: an empty list scores nothing"),
+        ([EVERY, "eval_tasks.needle.lengths=512"], "eval_tasks.needle.lengths: expected list, got int 512"),
+        (
+            [EVERY, "eval_tasks.needle.depths=[50, 101]"],
+            r"eval_tasks.needle.depths: expected percentages from 0 to 100",
+        ),
+        (
+            [EVERY, "eval_tasks.needle.samples_per_cell=0"],
+            "eval_tasks.needle.samples_per_cell: must be >= 1, got 0",
+        ),
+        ([EVERY, "eval_tasks.needle.pack_tokens=0"], "eval_tasks.needle.pack_tokens: must be >= 1, got 0"),
+        ([EVERY, "eval_tasks.needle.seed='a'"], "eval_tasks.needle.seed: expected int, got str 'a'"),
+        (["eval_tasks.needle.every_steps=0"], "eval_tasks.needle.every_steps: must be >= 1, got 0"),
+        (["eval_tasks.needle.seed=1"], "eval_tasks.needle.every_steps: missing; it is required"),
+        (["eval_tasks.needle=3"], "eval_tasks.needle: expected dict or nothing, got int 3"),
+        (["eval_tasks.nedle={every_steps = 2}"], r"eval_tasks.nedle: unknown key; did you mean 'needle'\?"),
+        (["eval_tasks.on_start=false"], r"\[eval_tasks\]: names no task; add one of needle, ruler"),
+        (
+            ["eval_tasks.ruler={every_steps = 1, tasks = []}"],
+            r"eval_tasks.ruler.tasks: expected task names, got \[\]",
+        ),
+        (
+            ["eval_tasks.ruler={every_steps = 1, tasks = 'vt'}"],
+            "eval_tasks.ruler.tasks: expected list or nothing",
+        ),
+        (
+            ["eval_tasks.ruler={every_steps = 1, threshold = 120}"],
+            "eval_tasks.ruler.threshold: expected a score from 0",
+        ),
+        (
+            ["eval_tasks.ruler={every_steps = 1, samples_per_task = 0}"],
+            "eval_tasks.ruler.samples_per_task: must be >= 1",
+        ),
+        (["eval_tasks.ruler={every_steps = 1, lengths = ['8q']}"], "eval_tasks.ruler.lengths: length '8q'"),
+        (["eval_tasks.ruler={every_steps = 1, samples = 3}"], "eval_tasks.ruler.samples: unknown key"),
+    ],
+)
+def test_bad_eval_tasks_keys_and_values_are_named(overrides, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        load_config(None, [M, *overrides])
+    assert "\n" not in str(err.value)
+
+
 def test_config_overrides_are_for_a_checkpoint_and_checked_against_its_model_type():
     from longalign.config import check_config_overrides
 

@@ -20,11 +20,11 @@ from accelerate.utils import (
 )
 from conftest import (
     DEMO,
-    LAUNCHER,
     ROOT,
     count_packs,
     demo_overrides,
     launch,
+    launch_with_config,
     needs_deepspeed,
     needs_launcher,
     run_process,
@@ -394,19 +394,6 @@ def test_train_runs_the_preflight_when_asked_on_one_rank(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "preflight: 1 rank" in result.stdout and "preflight: ok" in result.stdout
     assert "train_runtime" in result.stdout + result.stderr
-
-
-def launch_with_config(
-    accelerate_config: str, *args: str, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess:
-    """``accelerate launch --config_file configs/accelerate/<accelerate_config>`` on 2 ranks, as a user would.
-
-    Each rank runs on CPU by the demo run file's ``use_cpu``, or by the launcher's ``ACCELERATE_USE_CPU``
-    when ``env`` sets it (what ``--cpu`` does).
-    """
-    cmd = [str(LAUNCHER), "launch", "--config_file", str(ROOT / "configs" / "accelerate" / accelerate_config),
-           "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", "0", *args]  # fmt: skip
-    return run_process(cmd, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
 def parallelism_line(out: str) -> list[str]:

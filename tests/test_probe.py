@@ -13,6 +13,7 @@ from conftest import DEMO, ROOT, run_process
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from longalign.arguments import parse_length, parse_lengths
 from longalign.batching import PackCollator
 from longalign.config import load_config
 from longalign.probe import (
@@ -24,8 +25,6 @@ from longalign.probe import (
     growth,
     headline,
     model_states,
-    parse_length,
-    parse_lengths,
     parse_size,
     plan,
     sharding,
@@ -33,7 +32,7 @@ from longalign.probe import (
     synthetic_pack,
     synthetic_seq_lens,
 )
-from longalign.probe_step import ERROR, FITS, OUT_OF_MEMORY
+from longalign.probe_step import ERROR, FITS, OUT_OF_MEMORY, step_config
 
 
 def test_lengths_and_sizes():
@@ -72,6 +71,18 @@ def test_synthetic_pack_collates_into_one_varlen_row():
     assert batch["input_ids"].shape == (1, 5000)
     assert batch["cu_seq_lens_q"].tolist() == pack["cu_seqlens"]
     assert batch["max_length_q"] == max(pack["seq_lens"])
+
+
+def test_the_steps_train_the_run_without_its_eval_tasks(tmp_path):
+    packs = tmp_path / "packs"
+    overrides = ["eval_tasks.needle={lengths=[256], every_steps=1}", "lora.r=8"]
+    assert load_config(DEMO, overrides).eval_tasks is not None  # the run scores the needle grid
+    cfg = step_config(DEMO, overrides, 2048, packs)
+    assert cfg.eval_tasks is None and cfg.lora.r == 8  # only the training steps are measured
+    assert cfg.data.max_seq_len == 2048 and cfg.training.args["max_steps"] == 2
+    assert cfg.training.output_dir == str(packs.parent / "run")
+    full = step_config(DEMO, overrides, 2048, packs, full=True)
+    assert full.eval_tasks is None and full.lora is None
 
 
 def rank(index, status=FITS, peak=100, error=None):

@@ -441,7 +441,8 @@ def test_every_shipped_run_file_dry_runs_on_a_planning_machine(planning_machine,
     assert main(["train", "--config", str(path), "--dry-run"]) == 0
     out = capsys.readouterr().out
     cfg = load_config(path)
-    expected = [f"not checked: train data: {cfg.data.train_file} not found here; not prepared or checked"]
+    train = ", ".join(source.path for source in cfg.data.train_sources())  # train_file or [[data.sources]]
+    expected = [f"not checked: train data: {train} not found here; not prepared or checked"]
     if cfg.model.init_from_config is None:
         name = cfg.model.model_name_or_path
         expected += [

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import statistics
 import sys
 
 import pytest
-from conftest import ROOT, SAMPLE, TOKENIZER, run_process
+from conftest import ROOT, SAMPLE, TOKENIZER, load_script, run_process
 from transformers import AutoTokenizer
 
 DATA = ROOT / "data"
@@ -34,13 +33,6 @@ CHAT = [
     {"role": "user", "content": "Thanks!"},
     {"role": "assistant", "content": "You're welcome."},
 ]
-
-
-def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ from longalign.answers import (
     add_answer_arguments,
     answer_options,
 )
-from longalign.arguments import at_least
+from longalign.arguments import at_least, parse_lengths
 from longalign.errors import ConfigError
 from longalign.redact import redact_text
 from longalign.serving import ChatClient, ServerSettings, add_server_arguments, server_settings
@@ -41,7 +41,6 @@ if TYPE_CHECKING:
     from longalign.eval.judge import Judge
     from longalign.eval.models import Generator, Prompt
 
-DEPTHS = "0,10,20,30,40,50,60,70,80,90,100"
 JUDGE_KEY_ENV = "JUDGE_API_KEY"  # the judge's key; OPENAI_API_KEY when this one is unset
 
 
@@ -117,12 +116,16 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _needle_arguments(parser: argparse.ArgumentParser) -> None:
+    from longalign.config import NEEDLE_DEPTHS, NEEDLE_LENGTHS
+
     parser.add_argument(
         "--lengths",
-        default="1000,2000,4000,8000",
+        default=",".join(map(str, NEEDLE_LENGTHS)),
         help="prompt lengths in tokens, chat template included (4k = 4096)",
     )
-    parser.add_argument("--depths", default=DEPTHS, help="needle depths, percent of the haystack")
+    parser.add_argument(
+        "--depths", default=",".join(map(str, NEEDLE_DEPTHS)), help="needle depths, percent of the haystack"
+    )
     parser.add_argument(
         "--samples-per-cell", type=_positive_int, default=1, help="prompts per length and depth"
     )
@@ -161,9 +164,11 @@ def _score_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _ruler_arguments(parser: argparse.ArgumentParser) -> None:
+    from longalign.config import RULER_LENGTHS
+
     parser.add_argument(
         "--lengths",
-        default="4k,8k,16k,32k,64k,128k",
+        default=",".join(f"{n // 1024}k" for n in RULER_LENGTHS),
         help="prompt lengths in tokens, chat template (and answer prefix) included (4k = 4096)",
     )
     parser.add_argument(
@@ -356,26 +361,28 @@ class Session:
         extra_files: dict[str, str] | None = None,
     ) -> None:
         """The task's files into ``--output``, with ``calls.jsonl`` and ``report.json`` when a server answered."""
-        from longalign.artifacts import stage_output, write_report
+        from longalign.artifacts import write_report
+        from longalign.eval.outputs import write_outputs
 
-        args = self.args
-        with stage_output(args.output, stage=f"eval {args.task}", inputs=[i for i in inputs if i]) as staging:
-            with open(staging / "results.jsonl", "w", encoding="utf-8") as out:
-                for row in rows:
-                    out.write(json.dumps(row, ensure_ascii=False) + "\n")
-            (staging / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-            (staging / "run_config.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-            for name, text in (extra_files or {}).items():
-                (staging / name).write_text(text, encoding="utf-8")
-            if plot is not None:
-                plot(staging)
-            if self._store is not None:
-                self._store.write(staging)
-                write_report(staging, {role: _calls_report(calls) for role, calls in self._calls.items()})
+        def calls(staging: Path) -> None:
+            self._store.write(staging)
+            write_report(staging, {role: _calls_report(c) for role, c in self._calls.items()})
+
+        write_outputs(
+            self.args.output,
+            rows,
+            summary,
+            record,
+            stage=f"eval {self.args.task}",
+            inputs=inputs,
+            extra_files=extra_files,
+            plot=plot,
+            calls=calls if self._store is not None else None,
+        )
         if self._store is not None:
             self._store.discard_work()
-            for role, calls in self._calls.items():
-                print(f"{role}: {_calls_line(calls.report())}")
+            for role, served in self._calls.items():
+                print(f"{role}: {_calls_line(served.report())}")
 
 
 def _calls_report(calls: StoredCalls) -> dict[str, Any]:
@@ -396,26 +403,29 @@ def _calls_line(report: dict[str, Any]) -> str:
 
 
 def _teacher_forced(
-    session: Session, cases: Sequence[Any], *, lengths: Sequence[int], row: Callable, progress: str
-) -> Callable[[list], list[dict[str, Any]]]:
-    """The work of ``--score logprob`` on a rank's cases: their answers read in packed rows of the local model.
+    session: Session, cases: Sequence[Any], *, row: Callable, progress: str
+) -> list[dict[str, Any]] | None:
+    """``--score logprob``: every case's answer read in packed rows of the local model; the rows on rank 0.
 
-    ``cases`` carry ``prompt`` and ``answer_ids``; ``row(case, score, tokenizer)`` makes each result row.
+    ``cases`` carry ``length``, ``prompt`` and ``answer_ids``; ``row(case, score, tokenizer)`` makes each
+    result row. The packed rows are dealt over the ranks, not the prompts: the same rows, so the same
+    scores, on any number of ranks, and in a training run's ``[eval_tasks]``.
     """
     from longalign.eval.models import check_fits, context_limit
-    from longalign.eval.needle import score_answers
+    from longalign.eval.needle import default_pack_tokens, score_answers_across_ranks
 
     args = session.args
     model = session.load_model(packed=True, attn_backend=args.attn_backend)
     check_fits([len(c.prompt.input_ids) + len(c.answer_ids) for c in cases], context_limit(model))
-    pack_tokens = args.pack_tokens or max(lengths) + max(len(c.answer_ids) for c in cases)
-
-    def work(mine: list) -> list[dict[str, Any]]:
-        sequences = [(c.prompt.input_ids, c.answer_ids) for c in mine]
-        scores = score_answers(model, sequences, pack_tokens=pack_tokens, progress=progress)
-        return [row(c, s, session.tokenizer) for c, s in zip(mine, scores, strict=True)]
-
-    return work
+    scores = score_answers_across_ranks(
+        model,
+        [(c.prompt.input_ids, c.answer_ids) for c in cases],
+        pack_tokens=args.pack_tokens or default_pack_tokens(cases),
+        progress=progress,
+    )
+    return (
+        None if scores is None else [row(c, s, session.tokenizer) for c, s in zip(cases, scores, strict=True)]
+    )
 
 
 def _check_output(args: argparse.Namespace, *, inputs: Sequence[str]) -> None:
@@ -453,13 +463,12 @@ def _needle_setting(args: argparse.Namespace):
 def _run_needle(args: argparse.Namespace) -> int:
     from longalign.eval import needle as nd
     from longalign.eval.ranks import across_ranks
-    from longalign.probe import parse_lengths
 
     lengths = parse_lengths(args.lengths)
     try:
         depths = sorted({int(part) for part in args.depths.split(",") if part.strip()})
     except ValueError:
-        raise ConfigError(f"--depths {args.depths!r}: expected percentages, e.g. {DEPTHS}") from None
+        raise ConfigError(f"--depths {args.depths!r}: expected percentages, e.g. 0,25,50,75,100") from None
     if not depths or not all(0 <= d <= 100 for d in depths):
         raise ConfigError(f"--depths {args.depths!r}: expected percentages from 0 to 100")
     logprob = args.score == "logprob"
@@ -480,7 +489,7 @@ def _run_needle(args: argparse.Namespace) -> int:
     )
     started = time.perf_counter()
     if logprob:
-        work = _teacher_forced(session, cases, lengths=lengths, row=nd.logprob_row, progress="needle (rows)")
+        rows = _teacher_forced(session, cases, row=nd.logprob_row, progress="needle (rows)")
     else:
         generator = session.generator([len(c.prompt.input_ids) for c in cases])
 
@@ -488,7 +497,7 @@ def _run_needle(args: argparse.Namespace) -> int:
             replies = generator.generate([c.prompt for c in mine], progress="needle")
             return [nd.generation_row(c, r) for c, r in zip(mine, replies, strict=True)]
 
-    rows = across_ranks(cases, work)
+        rows = across_ranks(cases, work)
     if rows is None:
         return 0
     seconds = time.perf_counter() - started
@@ -514,7 +523,6 @@ def _run_needle(args: argparse.Namespace) -> int:
 def _run_ruler(args: argparse.Namespace) -> int:
     from longalign.eval import ruler
     from longalign.eval.ranks import across_ranks
-    from longalign.probe import parse_lengths
 
     lengths = parse_lengths(args.lengths)
     logprob = args.score == "logprob"
@@ -546,9 +554,7 @@ def _run_ruler(args: argparse.Namespace) -> int:
     )
     started = time.perf_counter()
     if logprob:
-        work = _teacher_forced(
-            session, cases, lengths=lengths, row=ruler.logprob_row, progress="ruler (rows)"
-        )
+        rows = _teacher_forced(session, cases, row=ruler.logprob_row, progress="ruler (rows)")
     else:
         generator = session.generator([len(c.prompt.input_ids) for c in cases])
 
@@ -566,7 +572,7 @@ def _run_ruler(args: argparse.Namespace) -> int:
                     replies[i] = reply
             return [ruler.generation_row(c, r) for c, r in zip(mine, replies, strict=True)]
 
-    rows = across_ranks(cases, work)
+        rows = across_ranks(cases, work)
     if rows is None:
         return 0
     seconds = time.perf_counter() - started

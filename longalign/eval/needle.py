@@ -16,7 +16,9 @@ The haystack is whole sentences, each encoded once, cut to the exact count that 
     summary(rows)  -> {'overall': 66.7, 'by_depth': {'0': 100.0, ...}, 'by_length': {...}, 'n': 12, ...}
 
 ``score_answers`` is the teacher-forced alternative: the answer's mean log-probability after the prompt
-(ending in an answer prefix), several prompts packed into one row of the varlen-patched model.
+(ending in an answer prefix), several prompts packed into one row of the varlen-patched model;
+``score_answers_across_ranks`` deals the same rows over the ranks of ``accelerate launch`` (or of a
+training run, ``longalign.eval.in_training``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from tqdm import tqdm
 
 from longalign.errors import ConfigError, InputError, PathError
 from longalign.eval.models import Prompt, Reply, template_frame
+from longalign.eval.ranks import across_ranks
 
 INTRO = "Read the text below. A question about it follows at the end.\n\n"
 QUESTION_FORM = "\n\n{question} Answer with the fact from the text."
@@ -158,8 +161,10 @@ def build_cases(
     seed: int,
     needle: Needle | None = None,
     with_answer_prefix: bool = False,
+    lengths_setting: str = "--lengths",
 ) -> list[NeedleCase]:
-    """Every prompt of the grid lengths x depths x samples; raises ``ConfigError`` if a length cannot fit.
+    """Every prompt of the grid lengths x depths x samples; raises ``ConfigError`` naming ``lengths_setting``
+    if a length cannot fit.
 
     The same arguments give the same prompts. Each prompt's haystack starts at its own sentence of the
     pool; with ``needle`` None each gets a random needle.
@@ -181,7 +186,7 @@ def build_cases(
                 haystack_len = length - fixed
                 if haystack_len < 1:
                     raise ConfigError(
-                        f"--lengths {length}: too short for the needle, question and chat template "
+                        f"{lengths_setting} {length}: too short for the needle, question and chat template "
                         f"({fixed} tokens without any haystack)"
                     )
                 sentences = sentences_from(pool, rng.randrange(len(pool)), haystack_len)
@@ -267,7 +272,12 @@ def pack_rows(lengths: Sequence[int], pack_tokens: int) -> list[list[int]]:
     return rows
 
 
-@torch.inference_mode()
+def default_pack_tokens(cases: Sequence) -> int:
+    """Tokens per packed row when none are asked: the longest prompt with its answer (cases with ``length``
+    and ``answer_ids``: a ``NeedleCase``, a ruler case)."""
+    return max(c.length for c in cases) + max(len(c.answer_ids) for c in cases)
+
+
 def score_answers(
     model: torch.nn.Module,
     sequences: Sequence[tuple[list[int], list[int]]],
@@ -286,41 +296,99 @@ def score_answers(
 
     ``progress`` titles a progress bar over the rows on stderr.
     """
-    device = next(model.parameters()).device
-    scores: list[AnswerScore | None] = [None] * len(sequences)
-    lengths = [len(p) + len(a) - 1 for p, a in sequences]  # the last answer token is never an input
-    for members in tqdm(pack_rows(lengths, pack_tokens), desc=progress, disable=progress is None):
-        ids, positions, reads, seq_lens = [], [], [], []
-        for i in members:
-            prompt, answer = sequences[i]
-            tokens = [*prompt, *answer][:-1]
-            reads.extend(len(ids) + len(prompt) - 1 + j for j in range(len(answer)))
-            ids.extend(tokens)
-            positions.extend(range(len(tokens)))
-            seq_lens.append(len(tokens))
-        cu_seqlens = torch.tensor([0, *seq_lens], device=device).cumsum(0).to(torch.int32)
-        logits = model(
-            input_ids=torch.tensor([ids], device=device),
-            position_ids=torch.tensor([positions], device=device),
-            cu_seq_lens_q=cu_seqlens,
-            cu_seq_lens_k=cu_seqlens,
-            max_length_q=max(seq_lens),
-            max_length_k=max(seq_lens),
-            logits_to_keep=torch.tensor(reads, device=device),
-        ).logits[0]
-        logprobs = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1)
-        at = 0
-        for i in members:
-            answer = sequences[i][1]
-            mine = logprobs[at : at + len(answer)]
-            targets = torch.tensor(answer, device=device)
-            predicted = mine.argmax(-1)
-            scores[i] = AnswerScore(
+    rows = pack_rows(_input_lengths(sequences), pack_tokens)
+    scored = [
+        score_row(model, sequences, members)
+        for members in tqdm(rows, desc=progress, disable=progress is None)
+    ]
+    return _in_order(len(sequences), rows, scored)
+
+
+def score_answers_across_ranks(
+    model: torch.nn.Module,
+    sequences: Sequence[tuple[list[int], list[int]]],
+    *,
+    pack_tokens: int,
+    lockstep: bool = False,
+    every_rank: bool = False,
+    device: torch.device | None = None,
+    progress: str | None = None,
+) -> list[AnswerScore] | None:
+    """``score_answers`` with its rows dealt over the ranks (row r to rank r % world); ``None`` on ranks
+    other than 0 unless ``every_rank``.
+
+    The rows are packed before they are dealt, so they are the same whatever the number of ranks, and so
+    are the scores. ``lockstep``: every rank runs as many forwards, a rank short of rows repeating the
+    first one and dropping its result, as a model sharded over the ranks (ZeRO-3, FSDP) needs.
+    """
+    rows = pack_rows(_input_lengths(sequences), pack_tokens)
+
+    def work(mine: list[list[int]]) -> list[list[AnswerScore]]:
+        return [
+            score_row(model, sequences, members, device=device)
+            for members in tqdm(mine, desc=progress, disable=progress is None)
+        ]
+
+    scored = across_ranks(rows, work, lockstep=lockstep, every_rank=every_rank)
+    return None if scored is None else _in_order(len(sequences), rows, scored)
+
+
+def _input_lengths(sequences: Sequence[tuple[list[int], list[int]]]) -> list[int]:
+    return [len(p) + len(a) - 1 for p, a in sequences]  # the last answer token is never an input
+
+
+def _in_order(count: int, rows: list[list[int]], scored: list[list[AnswerScore]]) -> list[AnswerScore]:
+    scores: list[AnswerScore | None] = [None] * count
+    for members, row in zip(rows, scored, strict=True):
+        for i, score in zip(members, row, strict=True):
+            scores[i] = score
+    return scores
+
+
+@torch.no_grad()  # not inference_mode: ZeRO-3 may keep parameters it gathers here for training
+def score_row(
+    model: torch.nn.Module,
+    sequences: Sequence[tuple[list[int], list[int]]],
+    members: Sequence[int],
+    *,
+    device: torch.device | None = None,
+) -> list[AnswerScore]:
+    """The scores of ``sequences[i]`` for each ``i`` of ``members``, packed into one row (one forward)."""
+    device = device or next(model.parameters()).device
+    ids, positions, reads, seq_lens = [], [], [], []
+    for i in members:
+        prompt, answer = sequences[i]
+        tokens = [*prompt, *answer][:-1]
+        reads.extend(len(ids) + len(prompt) - 1 + j for j in range(len(answer)))
+        ids.extend(tokens)
+        positions.extend(range(len(tokens)))
+        seq_lens.append(len(tokens))
+    cu_seqlens = torch.tensor([0, *seq_lens], device=device).cumsum(0).to(torch.int32)
+    logits = model(
+        input_ids=torch.tensor([ids], device=device),
+        position_ids=torch.tensor([positions], device=device),
+        cu_seq_lens_q=cu_seqlens,
+        cu_seq_lens_k=cu_seqlens,
+        max_length_q=max(seq_lens),
+        max_length_k=max(seq_lens),
+        logits_to_keep=torch.tensor(reads, device=device),
+        use_cache=False,
+    ).logits[0]
+    logprobs = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1)
+    scores, at = [], 0
+    for i in members:
+        answer = sequences[i][1]
+        mine = logprobs[at : at + len(answer)]
+        targets = torch.tensor(answer, device=device)
+        predicted = mine.argmax(-1)
+        scores.append(
+            AnswerScore(
                 logprob=float(mine.gather(1, targets[:, None]).mean()),
                 greedy=bool((predicted == targets).all()),
                 predicted=predicted.tolist(),
             )
-            at += len(answer)
+        )
+        at += len(answer)
     return scores
 
 

@@ -24,16 +24,34 @@ def rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
-def across_ranks(items: Sequence[Item], work: Callable[[list[Item]], list[Any]]) -> list[Any] | None:
-    """``work`` on this rank's share of ``items`` (every world-th one); all results in order on rank 0, else None."""
+def across_ranks(
+    items: Sequence[Item],
+    work: Callable[[list[Item]], list[Any]],
+    *,
+    lockstep: bool = False,
+    every_rank: bool = False,
+) -> list[Any] | None:
+    """``work`` on this rank's share of ``items`` (every world-th one); all results in order on rank 0
+    (on every rank with ``every_rank``), else None.
+
+    ``lockstep``: every rank's share is as long, a short one filled up with ``items[0]`` whose results are
+    dropped, so that every rank calls a sharded model (ZeRO-3, FSDP) as many times.
+    """
     rank, world = rank_and_world()
     mine = list(items[rank::world])
-    results = work(mine)
+    if lockstep and items:
+        per_rank = -(-len(items) // world)
+        results = work(mine + [items[0]] * (per_rank - len(mine)))[: len(mine)]
+    else:
+        results = work(mine)
     if world == 1:
         return results
-    gathered: list[list[Any]] | None = [None] * world if rank == 0 else None
-    dist.gather_object(results, gathered, dst=0)
-    if rank != 0:
+    gathered: list[list[Any]] | None = [None] * world if rank == 0 or every_rank else None
+    if every_rank:
+        dist.all_gather_object(gathered, results)
+    else:
+        dist.gather_object(results, gathered, dst=0)
+    if gathered is None:
         return None
     merged: list[Any] = [None] * len(items)
     for r, share in enumerate(gathered):

@@ -139,6 +139,7 @@ def build_instances(
     squad: QAData | None = None,
     hotpot: QAData | None = None,
     with_answer_prefix: bool = False,
+    lengths_setting: str = "--lengths",
 ) -> list[RulerCase]:
     """``samples_per_task`` instances of each task at each length, in that order; no model needed.
 
@@ -146,7 +147,7 @@ def build_instances(
     ``squad`` / ``hotpot``: ``read_squad`` / ``read_hotpot`` of the datasets' files, for ``qa_squad`` /
     ``qa_hotpot``.
     ``with_answer_prefix``: end each prompt with the task's answer prefix (counted in ``length``).
-    Raises ``ConfigError`` when a length cannot hold a task's fixed text.
+    Raises ``ConfigError`` naming ``lengths_setting`` when a length cannot hold a task's fixed text.
     """
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
@@ -154,8 +155,8 @@ def build_instances(
     missing = [t for t in tasks if TASKS[t].family == "qa" and {"squad": squad, "hotpot": hotpot}[TASKS[t].source] is None]  # fmt: skip
     if missing:
         raise ConfigError(f"{', '.join(missing)}: needs the dataset (--{TASKS[missing[0]].source} FILE)")
-    builder = _Builder(tokenizer, haystack=haystack, squad=squad, hotpot=hotpot, seed=seed,
-                       with_answer_prefix=with_answer_prefix)  # fmt: skip
+    builder = _Builder(tokenizer, haystack=haystack, squad=squad, hotpot=hotpot,
+                       seed=seed, with_answer_prefix=with_answer_prefix, lengths_setting=lengths_setting)  # fmt: skip
     return [
         builder.build(task, length, sample)
         for task in tasks
@@ -368,8 +369,9 @@ def _insert(units: list[list[int]], tokens: int, pieces: list[list[int]], depths
 class _Builder:
     """What the instances of one ``build_instances`` call share: the tokenizer, its frame, pools, caches."""
 
-    def __init__(self, tokenizer, *, haystack, squad, hotpot, seed, with_answer_prefix):
+    def __init__(self, tokenizer, *, haystack, squad, hotpot, seed, with_answer_prefix, lengths_setting):
         self.tokenizer = tokenizer
+        self.lengths_setting = lengths_setting
         self.frame = template_frame(tokenizer)
         self.haystack = haystack
         self.qa_data = {"squad": squad, "hotpot": hotpot}
@@ -411,7 +413,7 @@ class _Builder:
         body = draft.body(length - fixed) if length > fixed else None
         if body is None:
             raise ConfigError(
-                f"--lengths {length}: too short for {name} ({fixed} tokens of instructions and chat template, "
+                f"{self.lengths_setting} {length}: too short for {name} ({fixed} tokens of instructions and chat template, "
                 f"and the task's text does not fit in the {max(length - fixed, 0)} left)"
             )
         ids, offsets = body
