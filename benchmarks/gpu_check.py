@@ -42,9 +42,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import longalign.patch
+from longalign.arguments import parse_lengths
 from longalign.attention import available_backends, varlen_attention
 from longalign.config import load_config
-from longalign.probe import format_bytes, parse_lengths, synthetic_pack
+from longalign.probe import format_bytes, synthetic_pack
 from longalign.probe_step import measure_steps, probe_overrides
 from longalign.run import build_trainer, release
 

@@ -53,8 +53,9 @@ import torch
 from cpu_ranks import command, environment
 from long_context_step import RANKS, VARIANTS, LiveTensors
 
+from longalign.arguments import parse_lengths
 from longalign.patch.tiled_mlp import tiled_forward
-from longalign.probe import format_bytes, parse_lengths
+from longalign.probe import format_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "long_context_step.py"

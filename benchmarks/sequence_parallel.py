@@ -24,7 +24,8 @@ from pathlib import Path
 
 from cpu_ranks import command, environment
 
-from longalign.probe import format_bytes, parse_length
+from longalign.arguments import parse_length
+from longalign.probe import format_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 

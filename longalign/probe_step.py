@@ -90,9 +90,20 @@ def current_memory(device: torch.device) -> int | None:
 
 
 def peak_memory(device: torch.device) -> int:
-    """Peak bytes so far: CUDA ``max_memory_allocated`` on ``device``, or this process's peak RSS on CPU."""
+    """Peak bytes so far: CUDA ``max_memory_allocated`` on ``device``, or this process's peak RSS on CPU.
+
+    On Linux the peak is ``VmHWM`` of ``/proc/self/status``, the high-water mark of this process's own
+    memory. ``ru_maxrss`` is not: the kernel carries the parent's mark over the ``exec`` of a process
+    started by ``vfork`` (as ``subprocess`` starts it), so a step started from a large process (a test
+    session, a notebook) would read that process's size as its own peak.
+    """
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
+    status = Path("/proc/self/status")
+    if status.exists():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # macOS counts bytes, Linux KiB
 

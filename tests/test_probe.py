@@ -96,6 +96,21 @@ def rank(index, status=FITS, peak=100, error=None):
     }
 
 
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads Linux's /proc/self/status")
+def test_a_step_started_from_a_large_process_reads_its_own_peak():
+    # The parent touches 1.5 GiB, then starts a process as the probe starts its steps (subprocess): that
+    # process's peak is its own, not the parent's (which ru_maxrss would report).
+    parent = (
+        "import subprocess, sys\n"
+        "held = bytearray(1536 * 2**20)\n"
+        "held[::4096] = b'x' * len(held[::4096])\n"
+        "code = 'import torch; from longalign.probe_step import peak_memory; print(peak_memory(torch.device(\"cpu\")))'\n"
+        "print(subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True).stdout)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, check=True)
+    assert int(done.stdout) < 1536 * 2**20  # torch imported: a few hundred MiB
+
+
 def test_combine_ranks_takes_the_worst_rank_and_the_real_cause():
     entry = combine_ranks(4096, [rank(0, peak=100), rank(1, peak=120)])
     assert (entry["status"], entry["peak_bytes"]) == (FITS, 120)
