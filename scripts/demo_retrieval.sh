@@ -10,7 +10,7 @@ OUT=out/demo-retrieval
 echo "== 1. generate retrieval chats: a needle among 0-6 filler sentences, asked about at the end"
 "$PY" scripts/make_retrieval_data.py --output "$OUT/retrieval.jsonl" --count 8000 --min-sentences 0 --max-sentences 6
 
-echo "== 2. train the tiny random Llama on them (prepared and packed by the run), scoring the needle grid every 25 steps"
+echo "== 2. train the tiny random Llama on them (prepared and packed by the run), scoring the needle grid every 200 steps"
 rm -rf "$OUT/run"  # a fresh run each time (a run refuses an output_dir that holds another run's checkpoints)
 "$PY" -m accelerate.commands.launch --num_processes 1 --cpu train.py --config configs/demo_retrieval.toml \
     training.disable_tqdm=true
