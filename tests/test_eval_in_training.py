@@ -175,7 +175,7 @@ def test_the_dry_run_of_the_retrieval_demo_builds_its_prompts_and_says_what_they
         "needle every 200 steps: 30 prompts, 5,914 tokens in 7 rows of up to 1,024 (7 forwards per rank)"
     ]
     settings = {key: value for key, value, _ in result["settings"]}
-    assert settings["eval_tasks.needle"]["every_steps"] == 25 and settings["eval_tasks.on_start"] is True
+    assert settings["eval_tasks.needle"]["every_steps"] == 200 and settings["eval_tasks.on_start"] is True
 
 
 class Logged(TrainerCallback):
