@@ -45,13 +45,19 @@ from longalign.config import BACKENDS
 from longalign.errors import ConfigError
 
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
+# The install that provides each kernel, for the messages below (docs/install.md explains each route).
+FA2_INSTALL = "pip install flash-attn --no-build-isolation, after the CUDA build of torch"
+FA3_INSTALL = (
+    "FlashAttention 3 builds from the hopper/ folder of the flash-attention repository (Hopper GPUs)"
+)
+FA4_INSTALL = "pip install flash-attn-4==4.0.0b36 (a pre-release; Hopper and Blackwell)"
 _KERNELS = {  # backend: (modules tried in order, varlen entry point, how to get it)
     "flash_attn": (
-        ("flash_attn_interface", "flash_attn"),
+        ("flash_attn_interface", "flash_attn"),  # FA3 first: its top-level module; then FA2
         "flash_attn_varlen_func",
-        "pip install flash-attn, or flash-attn-3 on Hopper",
+        f"{FA2_INSTALL}; or {FA3_INSTALL}",
     ),
-    "flash_attn_cute": (("flash_attn.cute",), "flash_attn_varlen_func", "pip install flash-attn-4"),
+    "flash_attn_cute": (("flash_attn.cute",), "flash_attn_varlen_func", FA4_INSTALL),
     "torch_varlen": (
         ("torch.nn.attention.varlen",),
         "varlen_attn",
@@ -63,7 +69,8 @@ _CAPABILITY = {"flash_attn": (8, 12), "flash_attn_cute": (9, 11), "torch_varlen"
 # Keyword arguments the adapters below rely on; older releases of the kernels lack some of them.
 _REQUIRED_ARGUMENTS = {
     "flash_attn": ("softmax_scale", "causal"),
-    "flash_attn_cute": ("softmax_scale", "causal", "window_size"),
+    # flash-attn 2.8's copy of flash_attn/cute, which overwrites FA4's when installed after it, has no max_seqlen_*.
+    "flash_attn_cute": ("max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal", "window_size"),
     "torch_varlen": ("scale", "window_size", "enable_gqa"),
 }
 
@@ -175,6 +182,23 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
+def _device_problem(name: str, device: torch.device) -> str | None:
+    """Why the kernel of ``name`` cannot run on ``device``, or ``None`` when it can.
+
+    The tests replace this one check to run the kernels' Python layers on CPU against stand-ins of their
+    compiled code (``tests/kernel_standins.py``); everything else here runs as on a GPU.
+    """
+    if device.type != "cuda":
+        return f"needs a CUDA device, tensors are on {device.type}"
+    if not torch.cuda.is_available():
+        return "needs CUDA, and torch sees no CUDA device"
+    lowest, highest = _CAPABILITY[name]
+    major, minor = _capability(device)
+    if not lowest <= major <= highest or (name == "flash_attn_cute" and torch.version.hip is not None):
+        return f"needs an NVIDIA GPU of compute capability {lowest}.x to {highest}.x, this is {major}.{minor}"
+    return None
+
+
 def _why_unavailable(
     name: str, device: torch.device, dtype: torch.dtype, windowed: bool, dropout: bool
 ) -> str | None:
@@ -183,17 +207,9 @@ def _why_unavailable(
         return None
     kernel, import_problem = _kernel(name)
     reasons = [] if import_problem is None else [import_problem]
-    if device.type != "cuda":
-        reasons.append(f"needs a CUDA device, tensors are on {device.type}")
-    elif not torch.cuda.is_available():
-        reasons.append("needs CUDA, and torch sees no CUDA device")
-    else:
-        lowest, highest = _CAPABILITY[name]
-        major, minor = _capability(device)
-        if not lowest <= major <= highest or (name == "flash_attn_cute" and torch.version.hip is not None):
-            reasons.append(
-                f"needs an NVIDIA GPU of compute capability {lowest}.x to {highest}.x, this is {major}.{minor}"
-            )
+    device_problem = _device_problem(name, device)
+    if device_problem is not None:
+        reasons.append(device_problem)
     if dtype not in _FLASH_DTYPES:
         reasons.append(f"needs float16 or bfloat16, got {str(dtype).removeprefix('torch.')}")
     if kernel is not None:

@@ -6,11 +6,13 @@ Imported by tests/test_tiled_mlp.py and tests/test_offload.py for one process, a
     accelerate launch --multi_gpu --num_processes 2 tests/tiled_mlp_run.py OUT.pt SIZE ZERO_STAGE VARIANT...
 
 ``SIZE`` is the sequence-parallel size, ``ZERO_STAGE`` ``none`` (DDP) or a DeepSpeed ZeRO stage. A variant
-is a model family with switches, ``FAMILY[+tiled][+checkpointing][+offload][+adapters][+uneven]``:
-``tiled`` runs the MLPs in tiles of :data:`TILE_TOKENS` tokens, ``checkpointing`` turns activation
-checkpointing on, ``offload`` keeps its inputs in host memory, ``adapters`` trains LoRA adapters on
-every projection (:data:`ADAPTERS`), ``uneven`` trains on two packs of very different lengths, one per
-rank. For each variant rank 0 writes the update of one plain SGD step (learning rate 1, no clipping:
+is a model family with switches, ``FAMILY[+tiled][+checkpointing][+offload][+adapters][+uneven]
+[+bf16][+flash_attn|+torch_varlen]``: ``tiled`` runs the MLPs in tiles of :data:`TILE_TOKENS` tokens,
+``checkpointing`` turns activation checkpointing on, ``offload`` keeps its inputs in host memory,
+``adapters`` trains LoRA adapters on every projection (:data:`ADAPTERS`), ``uneven`` trains on two packs
+of very different lengths, one per rank; ``bf16`` trains float32 weights in bf16 mixed precision (autocast)
+instead of float64, and ``flash_attn`` / ``torch_varlen`` run that attention backend through its kernel's
+real Python layer on CPU (``kernel_standins.py``; they need ``bf16``), ``sdpa_segments`` otherwise. For each variant rank 0 writes the update of one plain SGD step (learning rate 1, no clipping:
 the gradient the engine applied) to every trained parameter, the step's loss, and the token count of
 every call of the first layer's MLP on every rank.
 """
@@ -25,6 +27,7 @@ import datasets
 import torch
 from conftest import pack_row, tiny_model
 from invariance_run import samples
+from kernel_standins import STOOD_IN, kernels_on_cpu
 from sequence_parallel_run import deepspeed_on_cpu, parameters, sgd_step_arguments
 
 import longalign.patch
@@ -37,7 +40,7 @@ TILE_TOKENS = 8  # 2 to 7 tiles per micro-batch of these packs (and of their hal
 # Adapters on every projection, the MLP's included; the norms train whole. No dropout: tiles draw their
 # masks tile by tile, so a tiled step with dropout is a different draw, not a different gradient.
 ADAPTERS = LoraConfig(r=4, alpha=8.0, trainable=["norms"])
-SWITCHES = ("tiled", "checkpointing", "offload", "adapters", "uneven")
+SWITCHES = ("tiled", "checkpointing", "offload", "adapters", "uneven", "bf16", *STOOD_IN)
 
 
 def parse(variant: str) -> tuple[str, set[str]]:
@@ -56,8 +59,10 @@ def packs(uneven: bool) -> datasets.Dataset:
 
 
 def model(family: str, switches: set[str], size: int) -> torch.nn.Module:
-    """The family's tiny model in float64, patched as the variant says."""
-    base = tiny_model(family, backend="sdpa_segments", sequence_parallel_size=size).double()
+    """The family's tiny model in float64 (float32 for ``bf16``), patched as the variant says."""
+    backend = next((name for name in STOOD_IN if name in switches), "sdpa_segments")
+    base = tiny_model(family, backend=backend, sequence_parallel_size=size)
+    base = base.float() if "bf16" in switches else base.double()
     if "tiled" in switches:
         longalign.patch.tile_mlp(base, tile_tokens=TILE_TOKENS)
     if "offload" in switches:
@@ -80,7 +85,8 @@ def one_step(variant: str, *, size: int = 1, zero_stage: int | None = None) -> d
     data = packs("uneven" in switches)
     if zero_stage is not None:
         deepspeed_on_cpu()
-    with tempfile.TemporaryDirectory() as out:
+    kernels = kernels_on_cpu(*(name for name in STOOD_IN if name in switches))
+    with tempfile.TemporaryDirectory() as out, kernels:
         args = sgd_step_arguments(
             out,
             max(1, len(data) * size // world_size),  # every pack in the one step
@@ -88,6 +94,7 @@ def one_step(variant: str, *, size: int = 1, zero_stage: int | None = None) -> d
             activation_checkpointing="checkpointing" in switches,
             # As the run sets it: DDP then checks that every parameter's gradient is reduced exactly once.
             ddp_find_unused_parameters=False,
+            bf16="bf16" in switches,
         )
         # After the arguments, as the run loads its model: under ZeRO-3 the tiled MLPs become leaf modules.
         trained = model(family, switches, size)

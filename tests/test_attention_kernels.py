@@ -1,0 +1,295 @@
+"""longalign's GPU backends through their kernels' real Python layers, on CPU (``kernel_standins.py``).
+
+flash-attn's released ``flash_attn_interface.py`` and PyTorch's ``torch/nn/attention/varlen.py`` run
+unmodified; only the compiled kernel below each is a stand-in that checks what the kernel checks and
+computes exactly. So these tests catch what longalign can get wrong at that boundary (a dtype, an int64
+or non-contiguous ``cu_seqlens``, a window or causality spelled the other kernel's way, GQA heads), and
+the values and gradients that come back, alone and inside one training step of a packed model.
+FlashAttention 4's interface needs the CUDA DSL to import: our exact call is bound to its parsed
+signature instead.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import relative_error, tiny_model
+from kernel_standins import (
+    CACHE,
+    FLASH_ATTN_VERSION,
+    KernelPreconditionError,
+    SourcesUnavailable,
+    flash_attn_sources,
+    kernels_on_cpu,
+    load_flash_attn,
+)
+from tiled_mlp_run import one_step
+
+from longalign import attention
+from longalign.attention import available_backends, varlen_attention
+
+# Each element of a bf16 result computed exactly and rounded to nearest once is within 2^-9 of it
+# relatively, and so is the whole tensor by norm; 2^-8 leaves room for the float64 reference's own
+# rounding (~1e-16). A real fault (a sample seeing another, a wrong window, scale or head group) is off
+# by 1e-1 or more.
+BF16_BOUND = 2.0**-8
+FA4_VERSION = "4.0.0b36"  # the pre-release docs/install.md pins
+
+
+@pytest.fixture(scope="module", params=["flash_attn", "torch_varlen"])
+def backend(request):
+    try:
+        with kernels_on_cpu(request.param):
+            yield request.param
+    except SourcesUnavailable as error:
+        pytest.skip(f"flash-attn's Python layer is not available here: {error}")
+
+
+def pack(lengths, q_heads, kv_heads, head_dim=16, dtype=torch.bfloat16, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    q, k, v = (
+        torch.randn(sum(lengths), heads, head_dim, generator=generator).to(dtype).requires_grad_()
+        for heads in (q_heads, kv_heads, kv_heads)
+    )
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k, v, cu_seqlens
+
+
+def values_and_grads(q, k, v, cotangent, **options):
+    out = varlen_attention(q, k, v, **options)
+    return [out, *torch.autograd.grad(out, (q, k, v), cotangent)]
+
+
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2), (8, 1)], ids=["mha", "gqa-4", "mqa"])
+@pytest.mark.parametrize("causal, window", [(True, None), (True, 5), (False, None), (False, 3)])
+@pytest.mark.parametrize("lengths", [[1, 9, 1, 30, 4, 1], [1, 1, 1]], ids=["long-tail", "one-token"])
+def test_backend_equals_sdpa_segments_in_float64(backend, heads, causal, window, lengths):
+    q, k, v, cu_seqlens = pack(lengths, *heads)
+    cotangent = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(q.dtype)
+    options = {"cu_seqlens": cu_seqlens, "max_seqlen": max(lengths), "causal": causal, "window": window}
+    got = values_and_grads(q, k, v, cotangent, backend=backend, **options)
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    want = values_and_grads(q64, k64, v64, cotangent.double(), backend="sdpa_segments", **options)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        assert a.dtype == torch.bfloat16 and a.shape == b.shape, name
+        assert relative_error(a, b) <= BF16_BOUND, f"{name}: {relative_error(a, b):.3g}"
+
+
+def test_a_sample_attends_only_to_itself(backend):
+    q, k, v, cu_seqlens = pack([5, 4], 4, 2)
+    out = varlen_attention(q, k, v, cu_seqlens, 5, backend=backend)
+    alone = varlen_attention(q[5:], k[5:], v[5:], torch.tensor([0, 4]), 4, backend=backend)
+    assert torch.equal(out[5:], alone)  # exact per sample, so bit for bit
+
+
+def test_longalign_hands_the_kernel_int32_cu_seqlens_whatever_it_is_given(backend):
+    q, k, v, cu_seqlens = pack([3, 6], 4, 2)
+    for given in (cu_seqlens.long(), cu_seqlens.long()[::1], cu_seqlens.tolist()):
+        given = torch.as_tensor(given)
+        torch.testing.assert_close(
+            varlen_attention(q, k, v, given, 6, backend=backend),
+            varlen_attention(q, k, v, cu_seqlens, 6, backend=backend),
+        )
+
+
+@pytest.mark.parametrize(
+    "fault, message",
+    [
+        ("int64 cu_seqlens", "cu_seqlens_q must have dtype int32"),
+        ("strided cu_seqlens", "cu_seqlens_q must be contiguous"),
+        ("float32 tensors", "only support fp16 and bf16"),
+        ("mixed dtypes", "must have the same dtype"),
+        ("head size 12", "head_size must be a multiple of 8"),
+        ("short max_seqlen", "max_seqlen 3 is shorter than a sample of 6"),
+        ("cu_seqlens past the tokens", r"must rise from 0 to the 9 tokens"),
+    ],
+)
+def test_the_stand_in_refuses_what_the_kernel_refuses(backend, fault, message):
+    """Behind longalign's checks, the adapter alone: what reaches the kernel must pass the kernel's own."""
+    q, k, v, cu_seqlens = pack([3, 6], 4, 2)
+    max_seqlen = 6
+    if fault == "int64 cu_seqlens":
+        cu_seqlens = cu_seqlens.long()
+    elif fault == "strided cu_seqlens":
+        cu_seqlens = torch.tensor([0, 99, 3, 99, 9, 99], dtype=torch.int32)[::2]
+    elif fault == "float32 tensors":
+        q, k, v = q.float(), k.float(), v.float()
+    elif fault == "mixed dtypes":
+        v = v.half()
+    elif fault == "head size 12":
+        q, k, v = (x[..., :12] for x in (q, k, v))
+        if backend == "flash_attn":  # its Python layer pads the head to 16 for the kernel, and cuts it back
+            out = attention._BACKEND_FUNCTIONS[backend](q, k, v, cu_seqlens, 6, True, None, 0.0, None)
+            assert out.shape == q.shape
+            return
+    elif fault == "short max_seqlen":
+        max_seqlen = 3
+    elif fault == "cu_seqlens past the tokens":
+        cu_seqlens = torch.tensor([0, 3, 10], dtype=torch.int32)
+    run = attention._BACKEND_FUNCTIONS[backend]
+    with pytest.raises((KernelPreconditionError, RuntimeError), match=message):
+        run(q, k, v, cu_seqlens, max_seqlen, True, None, 0.0, None)
+
+
+def test_flash_attn_is_the_released_interface_running_unmodified():
+    try:
+        flash_attn = load_flash_attn()
+        sources = flash_attn_sources()
+    except SourcesUnavailable as error:
+        pytest.skip(f"flash-attn's Python layer is not available here: {error}")
+    assert flash_attn.__version__ == FLASH_ATTN_VERSION
+    interface = Path(inspect.getfile(flash_attn.flash_attn_interface))
+    assert interface == sources / "flash_attn" / "flash_attn_interface.py"
+    assert "import flash_attn_2_cuda as flash_attn_gpu" in interface.read_text()  # what the stand-in replaces
+    with kernels_on_cpu("flash_attn"):
+        assert attention._kernel("flash_attn")[0] is flash_attn.flash_attn_varlen_func
+    assert "not installed" in available_backends("cpu", torch.bfloat16)["flash_attn"]  # gone again after
+
+
+# ---- a packed model's training step
+
+# One SGD step of bf16 mixed precision (float32 weights, autocast) with each GPU backend against the same
+# step with sdpa_segments, parameter by parameter. The two attentions round their bf16 outputs apart by up
+# to one unit in the last place (2^-8), which the following bf16 matmuls and the backward carry on:
+# measured at most 1.5e-2 over these families and switches. Samples that see each other, or a pack that
+# loses causality, move some parameter's update by 0.9 or more.
+STEP_BOUND = 5e-2
+MODEL_STEPS = [
+    pytest.param(family, switches, marks=[pytest.mark.integration] if family != "llama" else [])
+    for family, variants in (
+        ("llama", ("", "+checkpointing", "+tiled")),
+        ("glm4", ("", "+checkpointing+tiled")),  # fused gate_up_proj, partial rotary, q/k/v biases
+        ("qwen3", ("", "+checkpointing+tiled")),  # per-head q/k norms
+    )
+    for switches in variants
+]
+
+
+def worst_parameter_error(got: dict, want: dict) -> float:
+    """The largest norm-relative difference of one parameter's update (one parameter cannot hide in another)."""
+    assert got.keys() == want.keys()
+    return max(relative_error(got[name], want[name]) for name in want)
+
+
+@pytest.mark.parametrize("family, switches", MODEL_STEPS)
+def test_a_packed_model_trains_the_same_step_on_each_gpu_backend(family, switches):
+    try:
+        want = one_step(f"{family}+bf16{switches}")
+        for name in ("flash_attn", "torch_varlen"):
+            got = one_step(f"{family}+bf16{switches}+{name}")
+            assert worst_parameter_error(got["update"], want["update"]) <= STEP_BOUND, name
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-4), name
+    except SourcesUnavailable as error:
+        pytest.skip(f"flash-attn's Python layer is not available here: {error}")
+
+
+@pytest.mark.parametrize("kind", ["llama", "glm4", "qwen3"])
+def test_the_1d_mask_call_reaches_each_gpu_backend_as_cu_seqlens(backend, kind):
+    """LongAlign's forward call (the boundaries as a 1D int32 attention_mask), forward and backward."""
+    lengths = [7, 1, 12, 4]
+    ids = torch.randint(3, 64, (1, sum(lengths)), generator=torch.Generator().manual_seed(0))
+    mask = torch.tensor([0, 7, 8, 20, 24], dtype=torch.int32)
+    results = {}
+    for name in (backend, "sdpa_segments"):
+        model = tiny_model(kind, backend=name).to(torch.bfloat16)
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        logits.float().logsumexp(-1).sum().backward()
+        results[name] = [logits, *(p.grad for p in model.parameters())]
+    # Each attention rounds its exact result to bf16 (one unit in the last place apart), then bf16 layers
+    # follow: the same bound as the training step above.
+    assert relative_error(results[backend][0], results["sdpa_segments"][0]) <= STEP_BOUND
+    assert relative_error(results[backend][1:], results["sdpa_segments"][1:]) <= STEP_BOUND
+
+
+# ---- FlashAttention 4: our call bound to its signature
+
+
+def fa4_interface_source() -> str:
+    """``flash_attn/cute/interface.py`` of the pinned flash-attn-4 wheel, fetched once with pip, cached."""
+    target = CACHE / f"flash_attn_4-{FA4_VERSION}-interface.py"
+    if not target.exists():
+        scratch = CACHE / "downloads"
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", f"flash-attn-4=={FA4_VERSION}", "-d"]
+        result = subprocess.run([*command, str(scratch)], capture_output=True, text=True, timeout=600)
+        wheels = list(scratch.glob(f"flash_attn_4-{FA4_VERSION}-*.whl"))
+        if result.returncode != 0 or not wheels:
+            pytest.skip(f"pip download flash-attn-4=={FA4_VERSION} failed: {result.stderr.strip()[-300:]}")
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            source = wheel.read("flash_attn/cute/interface.py").decode()
+        partial = target.with_suffix(f".{os.getpid()}")
+        partial.write_text(source)
+        partial.replace(target)
+    return target.read_text()
+
+
+def parsed_signature(source: str, function: str) -> inspect.Signature:
+    """The signature of a top-level ``def`` in ``source``, without importing the module."""
+    node = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == function)
+    arguments, kinds = node.args, inspect.Parameter
+    defaults = [None] * (len(arguments.args) - len(arguments.defaults)) + arguments.defaults
+    parameters = [
+        inspect.Parameter(a.arg, kinds.POSITIONAL_OR_KEYWORD, **({} if d is None else {"default": d}))
+        for a, d in zip(arguments.args, defaults, strict=True)
+    ]
+    parameters += [
+        inspect.Parameter(a.arg, kinds.KEYWORD_ONLY, **({} if d is None else {"default": d}))
+        for a, d in zip(arguments.kwonlyargs, arguments.kw_defaults, strict=True)
+    ]
+    return inspect.Signature(parameters)
+
+
+def our_fa4_call(monkeypatch, window: int | None, causal: bool) -> list[tuple[tuple, dict]]:
+    """The exact arguments longalign's FA4 adapter passes, recorded by a function that accepts anything."""
+    calls = []
+
+    def record(*args, **kwargs):
+        calls.append((args, kwargs))
+        return args[0], None
+
+    q, k, v, cu_seqlens = pack([3, 6], 4, 2)
+    with monkeypatch.context() as patched:
+        patched.setattr(attention, "_kernel", lambda name: (record, None))
+        attention._BACKEND_FUNCTIONS["flash_attn_cute"](q, k, v, cu_seqlens, 6, causal, 0.3, 0.0, window)
+    return calls
+
+
+@pytest.mark.parametrize("causal, window", [(True, None), (True, 5), (False, 3)])
+def test_our_fa4_call_binds_to_the_pinned_flash_attn_4(monkeypatch, causal, window):
+    signature = parsed_signature(fa4_interface_source(), "flash_attn_varlen_func")
+    [(args, kwargs)] = our_fa4_call(monkeypatch, window, causal)
+    bound = signature.bind(*args, **kwargs)  # a TypeError here is the one a GPU run would hit
+    assert bound.arguments["max_seqlen_q"] == 6 and bound.arguments["cu_seqlens_k"] is kwargs["cu_seqlens_k"]
+    assert bound.arguments["window_size"] == (
+        (None, None) if window is None else (window - 1, 0 if causal else window - 1)
+    )
+    assert set(attention._REQUIRED_ARGUMENTS["flash_attn_cute"]) <= set(signature.parameters)
+
+
+def test_flash_attn_2_s_older_cute_copy_is_refused_as_too_old_for_fa4(monkeypatch):
+    """flash-attn 2.8.3 ships its own ``flash_attn/cute``; installed after flash-attn-4, it replaces FA4's."""
+    try:
+        sources = flash_attn_sources()
+    except SourcesUnavailable as error:
+        pytest.skip(f"flash-attn's Python layer is not available here: {error}")
+    old = parsed_signature(
+        (sources / "flash_attn" / "cute" / "interface.py").read_text(), "flash_attn_varlen_func"
+    )
+    [(args, kwargs)] = our_fa4_call(monkeypatch, None, True)
+    with pytest.raises(TypeError, match="max_seqlen_q"):
+        old.bind(*args, **kwargs)
+
+    def flash_attn_varlen_func(*args, **kwargs):
+        raise AssertionError("never called")
+
+    flash_attn_varlen_func.__signature__ = old
+    monkeypatch.setattr(attention, "_kernel", lambda name: (flash_attn_varlen_func, None))
+    reason = available_backends("cpu", torch.bfloat16)["flash_attn_cute"]
+    assert "is too old: it takes no max_seqlen_q, max_seqlen_k" in reason
