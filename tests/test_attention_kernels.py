@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import relative_error, tiny_model
+from conftest import launch, needs_deepspeed, needs_launcher, relative_error, tiny_model
 from kernel_standins import (
     CACHE,
     FLASH_ATTN_VERSION,
@@ -207,6 +207,34 @@ def test_the_1d_mask_call_reaches_each_gpu_backend_as_cu_seqlens(backend, kind):
     # follow: the same bound as the training step above.
     assert relative_error(results[backend][0], results["sdpa_segments"][0]) <= STEP_BOUND
     assert relative_error(results[backend][1:], results["sdpa_segments"][1:]) <= STEP_BOUND
+
+
+@pytest.mark.integration
+@needs_launcher
+@needs_deepspeed
+def test_sequence_parallel_2_with_flash_attn_trains_the_one_rank_step(tmp_path):
+    """2 ranks, each pack split over both: the Ulysses exchange hands flash-attn's Python layer whole samples,
+    half of the heads on each rank, in the layout and dtype its kernel takes (the stand-in checks them).
+
+    DeepSpeed's Ulysses layer wraps one attention per process, hence a launch of its own.
+    """
+    try:
+        flash_attn_sources()  # fetched once here, not by both ranks at once
+    except SourcesUnavailable as error:
+        pytest.skip(f"flash-attn's Python layer is not available here: {error}")
+    variants = ["llama+bf16+flash_attn", "llama+bf16+flash_attn+tiled+checkpointing"]
+    out, here = tmp_path / "results.pt", Path(__file__).resolve().parent
+    result = launch(
+        here / "tiled_mlp_run.py", str(out), "2", "none", *variants, env={"PYTHONPATH": str(here)}
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    results = torch.load(out)
+    for variant in variants:
+        want = one_step(variant)  # one process, packs whole
+        assert worst_parameter_error(results[variant]["update"], want["update"]) <= STEP_BOUND, variant
+        assert results[variant]["loss"] == pytest.approx(want["loss"], rel=1e-4), variant
+    halves = results[variants[1]]["mlp_tokens"]  # forward and recompute: each rank ran its half of the packs
+    assert [sorted(set(calls)) for calls in halves] == [[17, 18], [17, 18]]
 
 
 # ---- FlashAttention 4: our call bound to its signature
