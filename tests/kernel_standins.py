@@ -4,7 +4,7 @@ What runs for real, unmodified: flash-attn's ``flash_attn/flash_attn_interface.p
 distribution from the package index, fetched by ``pip download`` and cached), FlashAttention 3's
 ``hopper/flash_attn_interface.py`` (when ``LONGALIGN_FA3_INTERFACE`` names a copy: FA3 is not published on
 the package index), and PyTorch's own ``torch/nn/attention/varlen.py``. What stands in for the compiled
-code below them:
+code below them (FA3: its ``flash_attn_3._C`` operators, as ``FA3_KERNEL``):
 
     flash_attn_varlen_func (flash-attn's Python)        varlen_attn (torch's Python)
       -> torch.ops.flash_attn._flash_attn_varlen_*        -> torch.ops.torch_attn._varlen_attn*
@@ -26,6 +26,7 @@ analytic backward (kernels run below autograd).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -333,6 +334,102 @@ def load_flash_attn() -> types.ModuleType:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# FlashAttention 3: the compiled module flash_attn_3._C, reached as torch.ops.flash_attn_3
+
+
+def _fa3_fwd(
+    q, k, v, k_new, v_new, qv, out_, cu_seqlens_q, cu_seqlens_k, cu_seqlens_k_new, seqused_q, seqused_k,
+    max_seqlen_q, max_seqlen_k, page_table, kv_batch_idx, leftpad_k, rotary_cos, rotary_sin, seqlens_rotary,
+    q_descale, k_descale, v_descale, softmax_scale, is_causal, window_size_left, window_size_right,
+    attention_chunk, softcap, rotary_interleaved, scheduler_metadata, num_splits, pack_gqa, sm_margin,
+):  # fmt: skip
+    """``flash_attn_3._C.fwd``: ``(out, softmax_lse, out_accum, softmax_lse_accum)``."""
+    bounds_q, bounds_k = check_varlen_call(
+        q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, others={"out": out_},
+    )  # fmt: skip
+    _no_extras(
+        appended_kv=k_new, qv=qv, seqused_q=seqused_q, seqused_k=seqused_k, paged_kv=page_table,
+        kv_batch_idx=kv_batch_idx, leftpad_k=leftpad_k, rotary=rotary_cos, fp8_descale=q_descale,
+        attention_chunk=attention_chunk, softcap=softcap,
+    )  # fmt: skip
+    left, right = _window(
+        is_causal, window_size_left, window_size_right, max_seqlen_k, single_queries=max_seqlen_q == 1
+    )
+    out, lse = exact_forward(q, k, v, bounds_q, bounds_k, softmax_scale, left, right)
+    if out_ is not None:
+        out = out_.copy_(out)
+    return out, lse, None, None
+
+
+def _fa3_bwd(
+    dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+    max_seqlen_q, max_seqlen_k, softmax_scale, is_causal, window_size_left, window_size_right, softcap,
+    deterministic, sm_margin,
+):  # fmt: skip
+    """``flash_attn_3._C.bwd``: fills ``dq, dk, dv``; returns ``softmax_d`` first."""
+    dq_fa2, dk_fa2, dv_fa2, softmax_d = _fa2_varlen_bwd(
+        dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, None, max_seqlen_q,
+        max_seqlen_k, 0.0, softmax_scale, False, is_causal, window_size_left, window_size_right, softcap,
+        deterministic, None, None,
+    )  # fmt: skip
+    _no_extras(seqused_q=seqused_q, seqused_k=seqused_k)
+    return softmax_d, dq_fa2, dk_fa2, dv_fa2
+
+
+FA3_KERNEL = types.SimpleNamespace(fwd=_fa3_fwd, bwd=_fa3_bwd)
+
+
+def fa3_interface_path() -> Path:
+    """FA3's ``hopper/flash_attn_interface.py``, named by ``LONGALIGN_FA3_INTERFACE``.
+
+    FA3 is not published on the package index (it builds from the ``hopper/`` folder of the
+    flash-attention repository), so the tests cannot fetch it: :class:`SourcesUnavailable` says so.
+    """
+    named = os.environ.get("LONGALIGN_FA3_INTERFACE")
+    if not named:
+        raise SourcesUnavailable(
+            "FlashAttention 3's Python layer is not on the package index; set LONGALIGN_FA3_INTERFACE to a "
+            "copy of hopper/flash_attn_interface.py from the flash-attention repository to run it"
+        )
+    if not Path(named).is_file():
+        raise SourcesUnavailable(f"LONGALIGN_FA3_INTERFACE={named} is not a file")
+    return Path(named)
+
+
+def load_flash_attn_3() -> types.ModuleType:
+    """FA3's real ``flash_attn_interface`` over the stand-in kernel, imported once per process.
+
+    Importing it imports ``flash_attn_3._C`` (which registers FA3's operators; an empty module here), then
+    the interface reaches the kernel as its module global ``flash_attn_3_gpu``: that is what stands in.
+    Its two custom ops get their own Python bodies as the CPU kernel, as in :func:`load_flash_attn`.
+    """
+    if "flash_attn_interface" not in _LOADED:
+        path = fa3_interface_path()
+        package = types.ModuleType("flash_attn_3")
+        package.__path__ = []
+        compiled = types.ModuleType("flash_attn_3._C", "Stand-in: FA3's operators are FA3_KERNEL here.")
+        package._C = compiled
+        spec = importlib.util.spec_from_file_location("flash_attn_interface", path)
+        interface = importlib.util.module_from_spec(spec)
+        saved = {name: sys.modules.get(name) for name in ("flash_attn_3", "flash_attn_3._C")}
+        sys.modules.update({"flash_attn_3": package, "flash_attn_3._C": compiled})
+        try:
+            spec.loader.exec_module(interface)
+        finally:
+            for name, module in saved.items():
+                if module is None:
+                    sys.modules.pop(name, None)
+                else:
+                    sys.modules[name] = module
+        interface.flash_attn_3_gpu = FA3_KERNEL
+        for op in (interface._flash_attn_forward, interface._flash_attn_backward):
+            op.register_kernel("cpu", op._init_fn)
+        _LOADED["flash_attn_interface"] = interface
+    return _LOADED["flash_attn_interface"]
+
+
+# ----------------------------------------------------------------------------------------------------------
 # PyTorch's varlen_attn: aten::_flash_attention_forward / _backward for CPU
 
 _ATEN_LIBRARY: torch.library.Library | None = None
@@ -399,27 +496,32 @@ def install_torch_varlen() -> None:
 # ----------------------------------------------------------------------------------------------------------
 # longalign's backends on CPU
 
-STOOD_IN = ("flash_attn", "torch_varlen")  # the backends whose kernels have a stand-in here
+# The kernels that have a stand-in here, and the longalign backend each one runs.
+STOOD_IN = {"flash_attn": "flash_attn", "flash_attn_3": "flash_attn", "torch_varlen": "torch_varlen"}
 
 
 @contextlib.contextmanager
-def kernels_on_cpu(*backends: str):
-    """Within the block, longalign's ``backends`` run CPU tensors through their kernels' real Python layers.
+def kernels_on_cpu(*kernels: str):
+    """Within the block, the backends of ``kernels`` (keys of :data:`STOOD_IN`) run CPU tensors through the
+    kernels' real Python layers.
 
     longalign's one device check (``attention._device_problem``) lets them take CPU tensors, and the
     kernels' modules are importable; every other check of longalign's runs as on a GPU. Raises
-    :class:`SourcesUnavailable` when flash-attn's sources cannot be fetched.
+    :class:`SourcesUnavailable` when a kernel's Python layer cannot be had.
     """
     from longalign import attention
 
-    unknown = set(backends) - set(STOOD_IN)
-    assert not unknown, f"no stand-in for {sorted(unknown)}; these have one: {STOOD_IN}"
+    unknown = set(kernels) - set(STOOD_IN)
+    assert not unknown, f"no stand-in for {sorted(unknown)}; these have one: {sorted(STOOD_IN)}"
     modules: dict[str, types.ModuleType] = {}
-    if "flash_attn" in backends:
+    if "flash_attn" in kernels:
         load_flash_attn()
-        modules = dict(_LOADED)
-    if "torch_varlen" in backends:
+        modules.update({name: module for name, module in _LOADED.items() if name != "flash_attn_interface"})
+    if "flash_attn_3" in kernels:
+        modules["flash_attn_interface"] = load_flash_attn_3()
+    if "torch_varlen" in kernels:
         install_torch_varlen()
+    backends = {STOOD_IN[kernel] for kernel in kernels}
     device_problem = attention._device_problem
 
     def on_cpu(name: str, device: torch.device) -> str | None:

@@ -60,7 +60,7 @@ def packs(uneven: bool) -> datasets.Dataset:
 
 def model(family: str, switches: set[str], size: int) -> torch.nn.Module:
     """The family's tiny model in float64 (float32 for ``bf16``), patched as the variant says."""
-    backend = next((name for name in STOOD_IN if name in switches), "sdpa_segments")
+    backend = next((STOOD_IN[name] for name in STOOD_IN if name in switches), "sdpa_segments")
     base = tiny_model(family, backend=backend, sequence_parallel_size=size)
     base = base.float() if "bf16" in switches else base.double()
     if "tiled" in switches:
