@@ -59,7 +59,7 @@ DEFAULT_ENV = (
     "HF_TOKEN",
 )
 PACKAGES = ("torch", "transformers", "accelerate", "datasets", "longalign")
-FLASH_PACKAGES = ("flash-attn", "flash-attn-4")
+FLASH_PACKAGES = ("flash-attn", "flash-attn-3", "flash-attn-4")  # FA2, FA3 (hopper/), FA4
 
 FIX_VERSIONS = "install the same package versions on every node (compare `pip freeze` between nodes)"
 FIX_BACKEND = (
@@ -135,7 +135,7 @@ def attempt(name: str, make: Callable[[], Check], fix: str = "") -> Check:
 
 
 def version_checks() -> list[Check]:
-    """Python and package versions; one row for flash-attn (FA2/FA3) and flash-attn-4, installed or not."""
+    """Python and package versions; one row for the flash kernels (FA2, FA3, FA4), installed or not."""
     checks = [Check("python", platform.python_version(), fix=FIX_VERSIONS)]
     checks += [Check(package, _version(package) or "not installed", fix=FIX_VERSIONS) for package in PACKAGES]
     flash = [f"{package} {_version(package)}" for package in FLASH_PACKAGES if _version(package)]
