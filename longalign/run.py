@@ -775,7 +775,7 @@ _GPU_TRAINING_ARGS = {
 
 
 def gpu_settings(cfg: Config) -> list[str]:
-    """The settings of ``cfg`` that need a CUDA GPU, as ``key = value`` (precision, tf32, kernels, QLoRA)."""
+    """The settings of ``cfg`` that need a CUDA GPU, as ``key = value`` (precision, tf32, kernels)."""
     args = cfg.training.args
     found = [
         f"training.{name} = true"
@@ -784,10 +784,6 @@ def gpu_settings(cfg: Config) -> list[str]:
     ]
     if cfg.model.attn_backend in ("flash_attn", "flash_attn_cute", "torch_varlen"):
         found.append(f'model.attn_backend = "{cfg.model.attn_backend}"')
-    if cfg.lora is not None:
-        found += [
-            f"lora.{name} = true" for name in ("load_in_4bit", "load_in_8bit") if getattr(cfg.lora, name)
-        ]
     return found
 
 

@@ -273,30 +273,39 @@ def test_parameter_summary_counts_what_trains():
 # --- QLoRA ------------------------------------------------------------------------------------------------
 
 
-def test_quantization_is_refused_off_cuda_in_one_line():
-    assert quantization(None, dtype=torch.bfloat16, device=torch.device("cpu")) == {}
-    assert quantization(LoraConfig(), dtype=torch.bfloat16, device=torch.device("cpu")) == {}
+def test_quantization_runs_on_cpu_and_is_refused_elsewhere_in_one_line():
+    cpu = torch.device("cpu")
+    assert quantization(None, dtype=torch.bfloat16, device=cpu) == {}
+    assert quantization(LoraConfig(), dtype=torch.bfloat16, device=cpu) == {}
+    four = quantization(LoraConfig(load_in_4bit=True), dtype=torch.bfloat16, device=cpu)
+    config = four["quantization_config"]
+    assert four["device_map"] == {"": cpu} and config.load_in_4bit and config.bnb_4bit_quant_type == "nf4"
+    assert config.bnb_4bit_use_double_quant and config.bnb_4bit_compute_dtype == torch.bfloat16
+    assert quantization(LoraConfig(load_in_8bit=True), dtype=torch.float32, device=cpu)[
+        "quantization_config"
+    ].load_in_8bit
     with pytest.raises(
-        ConfigError, match=r"^lora.load_in_4bit: needs a CUDA GPU \(bitsandbytes quantizes on CUDA only\)"
+        ConfigError,
+        match=r"^lora.load_in_4bit: bitsandbytes quantizes on CUDA and CPU here; this run is on meta$",
     ):
-        quantization(LoraConfig(load_in_4bit=True), dtype=torch.bfloat16, device=torch.device("cpu"))
-    with pytest.raises(ConfigError, match="lora.load_in_8bit: needs a CUDA GPU"):
-        quantization(LoraConfig(load_in_8bit=True), dtype=torch.bfloat16, device=torch.device("cpu"))
+        quantization(LoraConfig(load_in_4bit=True), dtype=torch.bfloat16, device=torch.device("meta"))
     cfg = load_config(DEMO, ["lora.load_in_4bit=true"])
     with pytest.raises(ConfigError, match="a checkpoint is quantized as it loads"):
         load_model(cfg)
 
 
-QLORA_READY = torch.cuda.is_available() and importlib.util.find_spec("bitsandbytes") is not None
-
-
-@pytest.mark.skipif(
-    not QLORA_READY,
-    reason="QLoRA needs a CUDA GPU and bitsandbytes (pip install 'longalign[qlora]'); bitsandbytes quantizes on CUDA only",
+needs_bitsandbytes = pytest.mark.skipif(
+    importlib.util.find_spec("bitsandbytes") is None,
+    reason="QLoRA needs bitsandbytes (pip install 'longalign[qlora]')",
 )
+QLORA_DEVICE = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+@needs_bitsandbytes
 @pytest.mark.parametrize("bits", [4, 8])
 def test_qlora_trains_adapters_on_a_quantized_base(tmp_path, bits):
-    """A saved tiny Llama loads quantized on the GPU; packed == each sample alone, to bf16 precision."""
+    """A saved tiny Llama loads quantized (on the GPU, else the CPU); packed == each sample alone, to bf16
+    precision."""
     shape = {"hidden_size": 64, "intermediate_size": 128, "head_dim": 16}  # bitsandbytes blocks of 64
     tiny_model(**shape).save_pretrained(tmp_path / "base")
     cfg = load_config(
@@ -304,7 +313,7 @@ def test_qlora_trains_adapters_on_a_quantized_base(tmp_path, bits):
         [f"model.model_name_or_path='{tmp_path / 'base'}'", "model.torch_dtype='bfloat16'",
          "model.attn_backend='sdpa_segments'", f"lora.load_in_{bits}bit=true", "lora.r=4"],
     )  # fmt: skip
-    device = torch.device("cuda", 0)
+    device = QLORA_DEVICE
     base = load_model(cfg, device)
     layer = base.model.layers[0].self_attn.q_proj
     assert type(layer).__name__ == ("Linear4bit" if bits == 4 else "Linear8bitLt")

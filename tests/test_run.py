@@ -508,8 +508,7 @@ def test_gpu_settings_are_listed_not_refused_without_a_gpu(planning_machine):
         "training.bf16 = true",
         "training.tf32 = true",
         'model.attn_backend = "flash_attn"',
-        "lora.load_in_4bit = true",
-    ]
+    ]  # QLoRA is not among them: bitsandbytes quantizes on CPU too
     assert not args.bf16 and not args.tf32 and args.learning_rate == 3e-3  # the rest is checked as written
     assert gpu_settings(load_config(DEMO, ["training.bf16=true"])) == []  # use_cpu: bf16 runs on the CPU
     with pytest.raises(ConfigError, match="support bf16/gpu"):
