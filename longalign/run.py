@@ -450,6 +450,28 @@ def adapter_record(cfg: Config) -> dict[str, Any]:
     return record
 
 
+def saved_random_base(cfg: Config, args: TrainingArguments) -> Config:
+    """``cfg``, or for QLoRA on a random base (``init_from_config``) ``cfg`` pointing at that base, saved.
+
+    bitsandbytes quantizes a checkpoint as it loads, so the random model is built in ``torch_dtype`` from the
+    seed, written to ``output_dir/base_model`` (where the adapters name their base for merging) and loaded
+    back quantized. The other ranks wait for the saving one.
+    """
+    from longalign.lora import BASE_MODEL_DIR, save_base
+
+    lora = cfg.lora
+    if cfg.model.init_from_config is None or lora is None or not (lora.load_in_4bit or lora.load_in_8bit):
+        return cfg
+    with args.main_process_first(local=args.save_on_each_node, desc="saving the random base"):
+        if args.should_save:
+            model = AutoModelForCausalLM.from_config(model_config(cfg), dtype=model_dtype(cfg))
+            save_base(model, args.output_dir)
+    saved = str((Path(args.output_dir) / BASE_MODEL_DIR).resolve())
+    return dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, model_name_or_path=saved, init_from_config=None)
+    )
+
+
 def adapt(model: torch.nn.Module, cfg: Config, args: TrainingArguments) -> torch.nn.Module:
     """``model`` with ``[lora]``'s adapters (see ``longalign.lora``).
 
@@ -461,7 +483,8 @@ def adapt(model: torch.nn.Module, cfg: Config, args: TrainingArguments) -> torch
     base = cfg.model.model_name_or_path
     if cfg.model.init_from_config is not None:
         base = str((Path(args.output_dir) / BASE_MODEL_DIR).resolve())
-        if args.should_save:
+        quantized = cfg.lora.load_in_4bit or cfg.lora.load_in_8bit  # saved before it loaded quantized
+        if args.should_save and not quantized:
             save_base(model, args.output_dir)
     return add_adapters(model, cfg.lora, base_model=base)
 
@@ -508,7 +531,7 @@ def build_trainer(cfg: Config) -> LongAlignTrainer:
         check_positions(config, eval_packs, "the eval data", cfg)
     tasks = eval_tasks(cfg, tokenizer, config)
     transformers.set_seed(args.seed)
-    model = load_model(cfg, args.device)
+    model = load_model(saved_random_base(cfg, args), args.device)
     check_vocabulary(model, train_packs, "the training data")
     if eval_packs is not None:
         check_vocabulary(model, eval_packs, "the eval data")

@@ -291,7 +291,7 @@ def test_quantization_runs_on_cpu_and_is_refused_elsewhere_in_one_line():
         quantization(LoraConfig(load_in_4bit=True), dtype=torch.bfloat16, device=torch.device("meta"))
     cfg = load_config(DEMO, ["lora.load_in_4bit=true"])
     with pytest.raises(ConfigError, match="a checkpoint is quantized as it loads"):
-        load_model(cfg)
+        load_model(cfg)  # a run saves the random base first (longalign.run.saved_random_base)
 
 
 needs_bitsandbytes = pytest.mark.skipif(
