@@ -236,6 +236,33 @@ def check_sequence_parallel(
     return groups
 
 
+def check_quantized_base(
+    cfg: Config, args: TrainingArguments, environ: Mapping[str, str] = os.environ
+) -> None:
+    """Refuse ``[lora] load_in_4bit`` / ``load_in_8bit`` under DeepSpeed ZeRO-3 in one line, before any work.
+
+    bitsandbytes quantizes the base as it loads onto each rank's device (a device map), while ZeRO-3 shards
+    every weight over the ranks as it loads: transformers refuses a device map under ZeRO-3. The stage is the
+    one the run's DeepSpeed plugin was built with, from ``[training] deepspeed`` or the accelerate config.
+    """
+    lora = cfg.lora
+    plugin = getattr(args, "deepspeed_plugin", None)
+    if lora is None or not (lora.load_in_4bit or lora.load_in_8bit) or plugin is None:
+        return
+    if plugin.zero_stage != 3:
+        return
+    key = "lora.load_in_4bit" if lora.load_in_4bit else "lora.load_in_8bit"
+    if args.deepspeed:
+        where = f"[training] deepspeed = {args.deepspeed if isinstance(args.deepspeed, str) else '{...}'}"
+    else:
+        where = f"the accelerate config, {environ.get('ACCELERATE_DEEPSPEED_CONFIG_FILE') or 'zero_stage: 3'}"
+    raise ConfigError(
+        f"{key}: QLoRA cannot run under DeepSpeed ZeRO-3 ({where}): ZeRO-3 shards the weights as they load and "
+        "the quantized base loads whole onto each rank's device; train plain LoRA under ZeRO-3, or QLoRA with "
+        "DDP or ZeRO-2"
+    )
+
+
 def resolve_packs(which: str, cfg: Config, args: TrainingArguments, tokenizer=None):
     """The packs of the training (``which="train"``) or eval data, prepared on first use (see :func:`prepare`).
 
@@ -521,6 +548,7 @@ def build_trainer(cfg: Config) -> LongAlignTrainer:
     """Everything a run sets up before ``train()``: arguments, tokenizer, model, packs, eval tasks, trainer."""
     args = training_arguments(cfg)
     check_sequence_parallel(cfg, args.world_size, parallelism=args.parallelism_config)
+    check_quantized_base(cfg, args)
     tokenizer = load_tokenizer(cfg)
     # The data first: a problem with it shows before the weights are loaded.
     train_packs = resolve_packs("train", cfg, args, tokenizer)
@@ -737,6 +765,7 @@ def dry_run(cfg: Config) -> dict[str, Any]:
     on this machine (``not_checked``). A machine where people plan GPU jobs has neither GPU nor data.
     """
     args, needs_gpu = dry_run_arguments(cfg)
+    check_quantized_base(cfg, args)
     not_checked: list[str] = []
     try:
         tokenizer = _local_tokenizer(cfg, not_checked)
@@ -884,6 +913,7 @@ def preflight(cfg: Config, env_names: Sequence[str] = DEFAULT_ENV) -> PreflightR
     """The preflight without a model: every rank checks what it would train with; ranks must agree."""
     args = training_arguments(cfg)
     check_sequence_parallel(cfg, args.world_size, parallelism=args.parallelism_config)
+    check_quantized_base(cfg, args)
     try:
         accelerator = trainer_accelerator(args)
         return run_preflight(
