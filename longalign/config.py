@@ -312,8 +312,8 @@ class LoraConfig:
     # Whole modules trained (and saved) next to the adapters: "embeddings", "norms", "lm_head" or module
     # names. LongLoRA trains ["embeddings", "norms"] too when extending the context.
     trainable: list[str] = field(default_factory=list)
-    load_in_4bit: bool = False  # QLoRA: the frozen base in 4-bit NF4 (bitsandbytes, CUDA only)
-    load_in_8bit: bool = False  # the frozen base in 8-bit (bitsandbytes, CUDA only)
+    load_in_4bit: bool = False  # QLoRA: the frozen base in 4-bit NF4 (bitsandbytes; CUDA or CPU)
+    load_in_8bit: bool = False  # the frozen base in 8-bit (bitsandbytes; CUDA or CPU)
 
     def __post_init__(self) -> None:
         if self.r < 1:

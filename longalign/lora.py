@@ -167,23 +167,60 @@ def add_adapters(model: nn.Module, settings: LoraConfig, *, base_model: str) -> 
     return adapted
 
 
+# Where bitsandbytes quantizes and trains: CUDA, and CPU through its CPU backend (NF4 with double
+# quantization and int8, forward and backward, checked on bitsandbytes 0.50.2). Other devices are unchecked.
+QUANTIZING_DEVICES = ("cuda", "cpu")
+
+
+def quantization_problem(settings: LoraConfig | None, device: torch.device) -> str | None:
+    """Why ``[lora]``'s 4- or 8-bit base cannot load on ``device``, as ``key: reason``; ``None`` when it can."""
+    if settings is None or not (settings.load_in_4bit or settings.load_in_8bit):
+        return None
+    key = "lora.load_in_4bit" if settings.load_in_4bit else "lora.load_in_8bit"
+    if device.type not in QUANTIZING_DEVICES:
+        return f"{key}: bitsandbytes quantizes on CUDA and CPU here; this run is on {device}"
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return f"{key}: needs bitsandbytes: pip install 'longalign[qlora]'"
+    return None
+
+
+def try_quantized_layer(settings: LoraConfig, device: torch.device) -> None:
+    """Quantize a 64 x 64 layer as ``[lora]`` asks and run it forward and backward on ``device``.
+
+    Raises what bitsandbytes raises where its backend for the device is missing or broken; the preflight
+    runs it on every rank before any weight loads.
+    """
+    import bitsandbytes as bnb
+
+    generator = torch.Generator().manual_seed(0)  # the run's own random state stays untouched
+    weight = torch.randn(64, 64, generator=generator)
+    if settings.load_in_4bit:
+        layer = bnb.nn.Linear4bit(64, 64, bias=False, compute_dtype=torch.float32, quant_type="nf4")
+        layer.weight = bnb.nn.Params4bit(
+            weight, requires_grad=False, compress_statistics=True, quant_type="nf4"
+        )
+    else:
+        layer = bnb.nn.Linear8bitLt(64, 64, bias=False, has_fp16_weights=False)
+        layer.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
+    inputs = torch.randn(2, 64, generator=generator).to(device).requires_grad_()
+    layer.to(device)(inputs).sum().backward()
+    if not torch.isfinite(inputs.grad).all():
+        raise RuntimeError("a quantized layer gave a non-finite gradient")
+
+
 def quantization(settings: LoraConfig | None, *, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
     """``from_pretrained`` keyword arguments that load the frozen base in 4 or 8 bits (QLoRA), or none.
 
     4-bit is NF4 with double quantization and ``dtype`` as the compute dtype (the QLoRA recipe). The
     layers bitsandbytes leaves alone (embeddings, norms, the LM head) stay in ``dtype``: peft's
     ``prepare_model_for_kbit_training`` would upcast them to float32, which at 64k tokens doubles the
-    checkpointed residual stream. bitsandbytes quantizes on CUDA only, so elsewhere this is an error.
+    checkpointed residual stream. bitsandbytes runs on CUDA and, with its CPU backend, on CPU.
     """
     if settings is None or not (settings.load_in_4bit or settings.load_in_8bit):
         return {}
-    key = "lora.load_in_4bit" if settings.load_in_4bit else "lora.load_in_8bit"
-    if device.type != "cuda":
-        raise ConfigError(
-            f"{key}: needs a CUDA GPU (bitsandbytes quantizes on CUDA only); this run is on {device}"
-        )
-    if importlib.util.find_spec("bitsandbytes") is None:
-        raise ConfigError(f"{key}: needs bitsandbytes: pip install 'longalign[qlora]'")
+    problem = quantization_problem(settings, device)
+    if problem is not None:
+        raise ConfigError(problem)
     if settings.load_in_4bit:
         config = BitsAndBytesConfig(
             load_in_4bit=True,
@@ -193,7 +230,7 @@ def quantization(settings: LoraConfig | None, *, dtype: torch.dtype, device: tor
         )
     else:
         config = BitsAndBytesConfig(load_in_8bit=True)
-    # Quantized weights are made on the device as they load: each rank loads onto its own GPU.
+    # Quantized weights are made on the device as they load: each rank loads onto its own device.
     return {"quantization_config": config, "device_map": {"": device}}
 
 

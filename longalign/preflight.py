@@ -66,8 +66,8 @@ FIX_BACKEND = (
     "give every node the same GPU type and attention kernels (flash-attn), or pin model.attn_backend"
 )
 FIX_ADAPTERS = (
-    "install peft on every node (pip install 'longalign[lora]'), and for QLoRA bitsandbytes on a CUDA GPU "
-    "(pip install 'longalign[qlora]')"
+    "install peft on every node (pip install 'longalign[lora]'), and for QLoRA bitsandbytes on a CUDA GPU or "
+    "CPU (pip install 'longalign[qlora]')"
 )
 FIX_CONFIG = "launch every rank with the same config file and the same overrides"
 FIX_TOKENIZER = "point every rank at the same tokenizer files (model.tokenizer)"
@@ -164,7 +164,8 @@ def backend_check(device: torch.device, dtype: torch.dtype, backend: str) -> Che
 def adapter_check(cfg: Config, device: torch.device) -> Check:
     """What trains: every weight, or ``[lora]``'s adapters with this rank's peft (and bitsandbytes) version.
 
-    QLoRA fails the check on a rank without CUDA or bitsandbytes, as loading the model would.
+    QLoRA fails the check where loading the model would: on a device bitsandbytes does not quantize on,
+    without bitsandbytes, or where a small quantized layer does not run forward and backward.
     """
     name = "adapters"
     lora = cfg.lora
@@ -177,16 +178,17 @@ def adapter_check(cfg: Config, device: torch.device) -> Check:
             raise RuntimeError("peft is not installed")
         if not (lora.load_in_4bit or lora.load_in_8bit):
             return Check(name, f"LoRA r={lora.r}, peft {peft}", fix=FIX_ADAPTERS)
+        from longalign.lora import quantization_problem, try_quantized_layer
+
+        problem = quantization_problem(lora, device)
+        if problem is not None:
+            raise RuntimeError(problem)
+        try_quantized_layer(lora, device)
         bits = 4 if lora.load_in_4bit else 8
-        if device.type != "cuda":
-            raise RuntimeError(
-                f"{bits}-bit QLoRA needs a CUDA GPU (bitsandbytes), this rank runs on {device}"
-            )
-        bitsandbytes = _version("bitsandbytes")
-        if bitsandbytes is None:
-            raise RuntimeError("bitsandbytes is not installed")
         return Check(
-            name, f"QLoRA {bits}-bit r={lora.r}, peft {peft}, bitsandbytes {bitsandbytes}", fix=FIX_ADAPTERS
+            name,
+            f"QLoRA {bits}-bit r={lora.r}, peft {peft}, bitsandbytes {_version('bitsandbytes')}",
+            fix=FIX_ADAPTERS,
         )
 
     return attempt(name, check, FIX_ADAPTERS)

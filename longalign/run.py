@@ -236,6 +236,33 @@ def check_sequence_parallel(
     return groups
 
 
+def check_quantized_base(
+    cfg: Config, args: TrainingArguments, environ: Mapping[str, str] = os.environ
+) -> None:
+    """Refuse ``[lora] load_in_4bit`` / ``load_in_8bit`` under DeepSpeed ZeRO-3 in one line, before any work.
+
+    bitsandbytes quantizes the base as it loads onto each rank's device (a device map), while ZeRO-3 shards
+    every weight over the ranks as it loads: transformers refuses a device map under ZeRO-3. The stage is the
+    one the run's DeepSpeed plugin was built with, from ``[training] deepspeed`` or the accelerate config.
+    """
+    lora = cfg.lora
+    plugin = getattr(args, "deepspeed_plugin", None)
+    if lora is None or not (lora.load_in_4bit or lora.load_in_8bit) or plugin is None:
+        return
+    if plugin.zero_stage != 3:
+        return
+    key = "lora.load_in_4bit" if lora.load_in_4bit else "lora.load_in_8bit"
+    if args.deepspeed:
+        where = f"[training] deepspeed = {args.deepspeed if isinstance(args.deepspeed, str) else '{...}'}"
+    else:
+        where = f"the accelerate config, {environ.get('ACCELERATE_DEEPSPEED_CONFIG_FILE') or 'zero_stage: 3'}"
+    raise ConfigError(
+        f"{key}: QLoRA cannot run under DeepSpeed ZeRO-3 ({where}): ZeRO-3 shards the weights as they load and "
+        "the quantized base loads whole onto each rank's device; train plain LoRA under ZeRO-3, or QLoRA with "
+        "DDP or ZeRO-2"
+    )
+
+
 def resolve_packs(which: str, cfg: Config, args: TrainingArguments, tokenizer=None):
     """The packs of the training (``which="train"``) or eval data, prepared on first use (see :func:`prepare`).
 
@@ -450,6 +477,28 @@ def adapter_record(cfg: Config) -> dict[str, Any]:
     return record
 
 
+def saved_random_base(cfg: Config, args: TrainingArguments) -> Config:
+    """``cfg``, or for QLoRA on a random base (``init_from_config``) ``cfg`` pointing at that base, saved.
+
+    bitsandbytes quantizes a checkpoint as it loads, so the random model is built in ``torch_dtype`` from the
+    seed, written to ``output_dir/base_model`` (where the adapters name their base for merging) and loaded
+    back quantized. The other ranks wait for the saving one.
+    """
+    from longalign.lora import BASE_MODEL_DIR, save_base
+
+    lora = cfg.lora
+    if cfg.model.init_from_config is None or lora is None or not (lora.load_in_4bit or lora.load_in_8bit):
+        return cfg
+    with args.main_process_first(local=args.save_on_each_node, desc="saving the random base"):
+        if args.should_save:
+            model = AutoModelForCausalLM.from_config(model_config(cfg), dtype=model_dtype(cfg))
+            save_base(model, args.output_dir)
+    saved = str((Path(args.output_dir) / BASE_MODEL_DIR).resolve())
+    return dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, model_name_or_path=saved, init_from_config=None)
+    )
+
+
 def adapt(model: torch.nn.Module, cfg: Config, args: TrainingArguments) -> torch.nn.Module:
     """``model`` with ``[lora]``'s adapters (see ``longalign.lora``).
 
@@ -461,7 +510,8 @@ def adapt(model: torch.nn.Module, cfg: Config, args: TrainingArguments) -> torch
     base = cfg.model.model_name_or_path
     if cfg.model.init_from_config is not None:
         base = str((Path(args.output_dir) / BASE_MODEL_DIR).resolve())
-        if args.should_save:
+        quantized = cfg.lora.load_in_4bit or cfg.lora.load_in_8bit  # saved before it loaded quantized
+        if args.should_save and not quantized:
             save_base(model, args.output_dir)
     return add_adapters(model, cfg.lora, base_model=base)
 
@@ -498,6 +548,7 @@ def build_trainer(cfg: Config) -> LongAlignTrainer:
     """Everything a run sets up before ``train()``: arguments, tokenizer, model, packs, eval tasks, trainer."""
     args = training_arguments(cfg)
     check_sequence_parallel(cfg, args.world_size, parallelism=args.parallelism_config)
+    check_quantized_base(cfg, args)
     tokenizer = load_tokenizer(cfg)
     # The data first: a problem with it shows before the weights are loaded.
     train_packs = resolve_packs("train", cfg, args, tokenizer)
@@ -508,7 +559,7 @@ def build_trainer(cfg: Config) -> LongAlignTrainer:
         check_positions(config, eval_packs, "the eval data", cfg)
     tasks = eval_tasks(cfg, tokenizer, config)
     transformers.set_seed(args.seed)
-    model = load_model(cfg, args.device)
+    model = load_model(saved_random_base(cfg, args), args.device)
     check_vocabulary(model, train_packs, "the training data")
     if eval_packs is not None:
         check_vocabulary(model, eval_packs, "the eval data")
@@ -714,6 +765,7 @@ def dry_run(cfg: Config) -> dict[str, Any]:
     on this machine (``not_checked``). A machine where people plan GPU jobs has neither GPU nor data.
     """
     args, needs_gpu = dry_run_arguments(cfg)
+    check_quantized_base(cfg, args)
     not_checked: list[str] = []
     try:
         tokenizer = _local_tokenizer(cfg, not_checked)
@@ -775,7 +827,7 @@ _GPU_TRAINING_ARGS = {
 
 
 def gpu_settings(cfg: Config) -> list[str]:
-    """The settings of ``cfg`` that need a CUDA GPU, as ``key = value`` (precision, tf32, kernels, QLoRA)."""
+    """The settings of ``cfg`` that need a CUDA GPU, as ``key = value`` (precision, tf32, kernels)."""
     args = cfg.training.args
     found = [
         f"training.{name} = true"
@@ -784,10 +836,6 @@ def gpu_settings(cfg: Config) -> list[str]:
     ]
     if cfg.model.attn_backend in ("flash_attn", "flash_attn_cute", "torch_varlen"):
         found.append(f'model.attn_backend = "{cfg.model.attn_backend}"')
-    if cfg.lora is not None:
-        found += [
-            f"lora.{name} = true" for name in ("load_in_4bit", "load_in_8bit") if getattr(cfg.lora, name)
-        ]
     return found
 
 
@@ -865,6 +913,7 @@ def preflight(cfg: Config, env_names: Sequence[str] = DEFAULT_ENV) -> PreflightR
     """The preflight without a model: every rank checks what it would train with; ranks must agree."""
     args = training_arguments(cfg)
     check_sequence_parallel(cfg, args.world_size, parallelism=args.parallelism_config)
+    check_quantized_base(cfg, args)
     try:
         accelerator = trainer_accelerator(args)
         return run_preflight(

@@ -13,9 +13,14 @@ import torch
 import torch.nn.functional as F
 from conftest import (
     DEMO,
+    FLOAT32_BOUND,
     FLOAT64_BOUND,
     TINY,
+    TOKENIZER,
     assert_relatively_close,
+    pack_row,
+    relative_error,
+    save_packs,
     step_losses,
     tiny_model,
     train_demo,
@@ -273,38 +278,47 @@ def test_parameter_summary_counts_what_trains():
 # --- QLoRA ------------------------------------------------------------------------------------------------
 
 
-def test_quantization_is_refused_off_cuda_in_one_line():
-    assert quantization(None, dtype=torch.bfloat16, device=torch.device("cpu")) == {}
-    assert quantization(LoraConfig(), dtype=torch.bfloat16, device=torch.device("cpu")) == {}
+def test_quantization_runs_on_cpu_and_is_refused_elsewhere_in_one_line():
+    cpu = torch.device("cpu")
+    assert quantization(None, dtype=torch.bfloat16, device=cpu) == {}
+    assert quantization(LoraConfig(), dtype=torch.bfloat16, device=cpu) == {}
+    four = quantization(LoraConfig(load_in_4bit=True), dtype=torch.bfloat16, device=cpu)
+    config = four["quantization_config"]
+    assert four["device_map"] == {"": cpu} and config.load_in_4bit and config.bnb_4bit_quant_type == "nf4"
+    assert config.bnb_4bit_use_double_quant and config.bnb_4bit_compute_dtype == torch.bfloat16
+    assert quantization(LoraConfig(load_in_8bit=True), dtype=torch.float32, device=cpu)[
+        "quantization_config"
+    ].load_in_8bit
     with pytest.raises(
-        ConfigError, match=r"^lora.load_in_4bit: needs a CUDA GPU \(bitsandbytes quantizes on CUDA only\)"
+        ConfigError,
+        match=r"^lora.load_in_4bit: bitsandbytes quantizes on CUDA and CPU here; this run is on meta$",
     ):
-        quantization(LoraConfig(load_in_4bit=True), dtype=torch.bfloat16, device=torch.device("cpu"))
-    with pytest.raises(ConfigError, match="lora.load_in_8bit: needs a CUDA GPU"):
-        quantization(LoraConfig(load_in_8bit=True), dtype=torch.bfloat16, device=torch.device("cpu"))
+        quantization(LoraConfig(load_in_4bit=True), dtype=torch.bfloat16, device=torch.device("meta"))
     cfg = load_config(DEMO, ["lora.load_in_4bit=true"])
     with pytest.raises(ConfigError, match="a checkpoint is quantized as it loads"):
-        load_model(cfg)
+        load_model(cfg)  # a run saves the random base first (longalign.run.saved_random_base)
 
 
-QLORA_READY = torch.cuda.is_available() and importlib.util.find_spec("bitsandbytes") is not None
-
-
-@pytest.mark.skipif(
-    not QLORA_READY,
-    reason="QLoRA needs a CUDA GPU and bitsandbytes (pip install 'longalign[qlora]'); bitsandbytes quantizes on CUDA only",
+needs_bitsandbytes = pytest.mark.skipif(
+    importlib.util.find_spec("bitsandbytes") is None,
+    reason="QLoRA needs bitsandbytes (pip install 'longalign[qlora]')",
 )
+QLORA_DEVICE = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+QLORA_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "head_dim": 16}  # bitsandbytes blocks of 64
+
+
+@needs_bitsandbytes
 @pytest.mark.parametrize("bits", [4, 8])
 def test_qlora_trains_adapters_on_a_quantized_base(tmp_path, bits):
-    """A saved tiny Llama loads quantized on the GPU; packed == each sample alone, to bf16 precision."""
-    shape = {"hidden_size": 64, "intermediate_size": 128, "head_dim": 16}  # bitsandbytes blocks of 64
-    tiny_model(**shape).save_pretrained(tmp_path / "base")
+    """A saved tiny Llama loads quantized (on the GPU, else the CPU); packed == each sample alone, to bf16
+    precision."""
+    tiny_model(**QLORA_SHAPE).save_pretrained(tmp_path / "base")
     cfg = load_config(
         None,
         [f"model.model_name_or_path='{tmp_path / 'base'}'", "model.torch_dtype='bfloat16'",
          "model.attn_backend='sdpa_segments'", f"lora.load_in_{bits}bit=true", "lora.r=4"],
     )  # fmt: skip
-    device = torch.device("cuda", 0)
+    device = QLORA_DEVICE
     base = load_model(cfg, device)
     layer = base.model.layers[0].self_attn.q_proj
     assert type(layer).__name__ == ("Linear4bit" if bits == 4 else "Linear8bitLt")
@@ -326,6 +340,91 @@ def test_qlora_trains_adapters_on_a_quantized_base(tmp_path, bits):
     assert_relatively_close(packed, total, 2e-2)  # bf16 weights: a bf16 bound
     assert_relatively_close(got, want, 5e-2)
     assert "trainable of" in parameter_summary(model)
+
+
+def one_step_run(tmp_path: Path, base: Path, name: str, *overrides: str):
+    """The config of one plain-SGD step (no clipping, no decay, constant rate) of ``[lora]`` on one pack."""
+    run_file = tmp_path / f"{name}.toml"
+    run_file.write_text(
+        f"[data]\ntrain_file = '{tmp_path / 'packs'}'\nmax_seq_len = 64\n"
+        f"[training]\noutput_dir = '{tmp_path / name}'\nmax_steps = 1\nlearning_rate = 1.0\noptim = 'sgd'\n"
+        "lr_scheduler_type = 'constant'\nmax_grad_norm = 0.0\nweight_decay = 0.0\nuse_cpu = true\n"
+        "save_strategy = 'no'\nlogging_steps = 1\nreport_to = 'none'\ndisable_tqdm = true\n"
+        f"[model]\nmodel_name_or_path = '{base}'\ntokenizer = '{TOKENIZER}'\ntorch_dtype = 'float32'\n"
+        "attn_backend = 'sdpa_segments'\n[lora]\nr = 4\nalpha = 8.0\n"
+    )
+    return load_config(run_file, list(overrides))
+
+
+def trained_step(cfg, start: dict[str, torch.Tensor] | None = None) -> tuple[dict, dict, torch.nn.Module]:
+    """The adapters before and after one step of the real run (``build_trainer``, then ``train``), and the
+    trained model; ``start`` sets the adapters first (by default their B matrices are randomized)."""
+    from longalign.run import build_trainer, close, release
+
+    trainer = build_trainer(cfg)
+    trained = dict(trainer.model.named_parameters())
+    with torch.no_grad():
+        if start is None:
+            randomize_adapters(trainer.model)  # B != 0: A gets a gradient too
+        else:
+            assert sorted(start) == sorted(name for name, p in trained.items() if p.requires_grad)
+            for name, value in start.items():
+                trained[name].copy_(value)
+    before = {name: p.detach().clone() for name, p in trained.items() if p.requires_grad}
+    model = trainer.model
+    trainer.train()
+    after = {name: p.detach().clone() for name, p in trained.items() if p.requires_grad}
+    release(trainer)
+    close()
+    return before, after, model
+
+
+@needs_bitsandbytes
+def test_a_qlora_step_on_cpu_updates_the_adapters_as_lora_on_the_dequantized_base(tmp_path):
+    """One SGD step of the real run with a 4-bit base on CPU gives the adapters the update that plain LoRA
+    gives on the dequantized weights (``bnb.functional.dequantize_4bit``), to float32 rounding.
+
+    bitsandbytes' CPU backend computes a 4-bit layer as ``x @ dequantize_4bit(W).T``, forward and backward:
+    the two steps run the same float32 operations on the same weights, so their updates can differ only by
+    rounding, which ``FLOAT32_BOUND`` (1e-5, relative over all adapters) bounds on any CPU; measured: 0.0,
+    bit-identical. The control, the same step on the unquantized base, moves the update by 27%.
+    """
+    import bitsandbytes as bnb
+
+    shipped_tokenizer = {"vocab_size": 4096, "bos_token_id": 4088, "eos_token_id": 4092, "pad_token_id": 4093}
+    tiny_model(**QLORA_SHAPE, **shipped_tokenizer).save_pretrained(tmp_path / "base")
+    save_packs(tmp_path / "packs", [pack_row(samples())])
+    before, qlora, model = trained_step(
+        one_step_run(tmp_path, tmp_path / "base", "qlora", "lora.load_in_4bit=true")
+    )
+
+    quantized = {
+        name.removesuffix(".base_layer"): module
+        for name, module in model.get_base_model().named_modules()
+        if isinstance(module, torch.nn.Linear) and "lora_" not in name and name != "lm_head"
+    }
+    assert len(quantized) == 2 * 7  # q k v o gate up down in each layer
+    for name, module in quantized.items():
+        assert type(module) is bnb.nn.Linear4bit, name
+        assert module.weight.quant_type == "nf4" and module.weight.quant_state.nested  # double quantization
+        assert module.compute_dtype == torch.float32
+    assert type(model.get_base_model().lm_head) is torch.nn.Linear
+
+    dequantized = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    with torch.no_grad():
+        for name, module in quantized.items():
+            weight = bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state)
+            dequantized.get_submodule(name).weight.copy_(weight)
+    dequantized.save_pretrained(tmp_path / "dequantized")
+    start, lora, _ = trained_step(one_step_run(tmp_path, tmp_path / "dequantized", "lora"), before)
+
+    assert all(torch.equal(before[name], start[name]) for name in before)
+    update = {name: qlora[name] - before[name] for name in before}
+    expected = {name: lora[name] - before[name] for name in before}
+    assert all(value.norm() > 0 for value in expected.values())  # every adapter matrix moved
+    assert_relatively_close(update, expected, FLOAT32_BOUND)
+    _, unquantized, _ = trained_step(one_step_run(tmp_path, tmp_path / "base", "full-precision"), before)
+    assert relative_error({name: unquantized[name] - before[name] for name in before}, expected) > 1e-2
 
 
 # --- merging ---------------------------------------------------------------------------------------------

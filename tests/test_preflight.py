@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -196,14 +197,21 @@ def test_preflight_setting():
     assert preflight_enabled(True, 1) and not preflight_enabled(False, 8)
 
 
-def test_adapter_row_says_what_trains_and_refuses_qlora_off_cuda():
+def test_adapter_row_says_what_trains_and_passes_qlora_where_bitsandbytes_runs():
     cpu = torch.device("cpu")
     assert adapter_check(load_config(DEMO), cpu).value == "none (full fine-tuning)"
     lora = adapter_check(load_config(DEMO, ["lora.r=8"]), cpu)
     assert lora.error is None and lora.value.startswith("LoRA r=8, peft ")
-    qlora = adapter_check(load_config(DEMO, ["lora.load_in_4bit=true"]), cpu)
-    assert qlora.error == "RuntimeError: 4-bit QLoRA needs a CUDA GPU (bitsandbytes), this rank runs on cpu"
-    assert "longalign[qlora]" in qlora.fix
+    version = importlib.metadata.version("bitsandbytes")
+    for bits in (4, 8):  # bitsandbytes' CPU backend quantizes a small layer and runs it forward and backward
+        qlora = adapter_check(load_config(DEMO, [f"lora.load_in_{bits}bit=true"]), cpu)
+        assert qlora.error is None, qlora.error
+        assert qlora.value.startswith(f"QLoRA {bits}-bit r=16, peft ") and qlora.value.endswith(version)
+    elsewhere = adapter_check(load_config(DEMO, ["lora.load_in_4bit=true"]), torch.device("meta"))
+    assert elsewhere.error == (
+        "RuntimeError: lora.load_in_4bit: bitsandbytes quantizes on CUDA and CPU here; this run is on meta"
+    )
+    assert "longalign[qlora]" in elsewhere.fix
 
 
 # --- the parallelism row ---------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from conftest import (
     count_packs,
     demo_overrides,
     launch,
+    needs_deepspeed,
     needs_launcher,
     packed_logits_error,
     save_packs,
@@ -31,6 +32,8 @@ from longalign.config import load_config
 from longalign.errors import ConfigError, InputError
 from longalign.run import (
     adapter_record,
+    build_trainer,
+    check_quantized_base,
     check_sequence_parallel,
     check_vocabulary,
     compare_records,
@@ -140,6 +143,39 @@ def test_sequence_parallel_fits_the_demo_model_in_groups_of_two_and_four():
     assert check_sequence_parallel(four, 4) == [[0, 1, 2, 3]]  # 2 KV heads, each on two ranks
     with pytest.raises(ConfigError, match="its 4 attention heads are not a multiple of 8"):
         check_sequence_parallel(load_config(DEMO, ["training.sequence_parallel_size=8"]), 8)
+
+
+@needs_deepspeed
+def test_qlora_under_zero3_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    """ZeRO-3 from ``[training] deepspeed`` or from the accelerate config: one line naming the key, the file
+    and what to use instead; ZeRO-2 and plain LoRA under ZeRO-3 pass."""
+    zero3 = str(ROOT / "configs" / "deepspeed" / "zero3.json")
+    cfg = load_config(DEMO, ["lora.load_in_4bit=true", f"training.deepspeed={json.dumps(zero3)}"])
+    with pytest.raises(ConfigError) as err:
+        check_quantized_base(cfg, training_arguments(cfg))
+    assert str(err.value) == (
+        f"lora.load_in_4bit: QLoRA cannot run under DeepSpeed ZeRO-3 ([training] deepspeed = {zero3}): ZeRO-3 "
+        "shards the weights as they load and the quantized base loads whole onto each rank's device; train "
+        "plain LoRA under ZeRO-3, or QLoRA with DDP or ZeRO-2"
+    )
+    with pytest.raises(ConfigError, match="^lora.load_in_4bit: QLoRA cannot run under DeepSpeed ZeRO-3"):
+        build_trainer(cfg)  # the run refuses it first thing: no data, no weights
+    plain = load_config(DEMO, ["lora.r=8", f"training.deepspeed={json.dumps(zero3)}"])
+    check_quantized_base(plain, training_arguments(plain))
+    zero2 = tmp_path / "zero2.json"
+    zero2.write_text(json.dumps({"zero_optimization": {"stage": 2}, "train_batch_size": "auto"}))
+    stage2 = load_config(DEMO, ["lora.load_in_8bit=true", f"training.deepspeed={json.dumps(str(zero2))}"])
+    check_quantized_base(stage2, training_arguments(stage2))
+
+    # What `accelerate launch --config_file configs/accelerate/zero3.yaml` exports to each rank.
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", zero3)
+    launched = load_config(DEMO, ["lora.load_in_8bit=true"])
+    with pytest.raises(
+        ConfigError,
+        match=rf"^lora.load_in_8bit: QLoRA cannot run under DeepSpeed ZeRO-3 \(the accelerate config, {zero3}\)",
+    ):
+        check_quantized_base(launched, training_arguments(launched))
 
 
 def test_another_split_and_a_missing_deepspeed_are_refused(monkeypatch):
@@ -508,8 +544,7 @@ def test_gpu_settings_are_listed_not_refused_without_a_gpu(planning_machine):
         "training.bf16 = true",
         "training.tf32 = true",
         'model.attn_backend = "flash_attn"',
-        "lora.load_in_4bit = true",
-    ]
+    ]  # QLoRA is not among them: bitsandbytes quantizes on CPU too
     assert not args.bf16 and not args.tf32 and args.learning_rate == 3e-3  # the rest is checked as written
     assert gpu_settings(load_config(DEMO, ["training.bf16=true"])) == []  # use_cpu: bf16 runs on the CPU
     with pytest.raises(ConfigError, match="support bf16/gpu"):
