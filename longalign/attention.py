@@ -48,7 +48,8 @@ _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 # The install that provides each kernel, for the messages below (docs/install.md explains each route).
 FA2_INSTALL = "pip install flash-attn --no-build-isolation, after the CUDA build of torch"
 FA3_INSTALL = (
-    "FlashAttention 3 builds from the hopper/ folder of the flash-attention repository (Hopper GPUs)"
+    "on Hopper, FlashAttention 3: git clone https://github.com/Dao-AILab/flash-attention && "
+    "pip install --no-build-isolation flash-attention/hopper"
 )
 FA4_INSTALL = "pip install flash-attn-4==4.0.0b36 (a pre-release; Hopper and Blackwell)"
 _KERNELS = {  # backend: (modules tried in order, varlen entry point, how to get it)
