@@ -197,6 +197,37 @@ def _no_extras(**extras) -> None:
         _require(value is None or value is False or value == 0, f"the stand-in computes no {name}")
 
 
+def varlen_forward(q, k, v, out_, cu_q, cu_k, max_q, max_k, scale, is_causal, left, right):
+    """What every varlen forward kernel does here: its checks, its window rules, then ``(out, lse)`` exactly."""
+    bounds_q, bounds_k = check_varlen_call(
+        q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+        others={"out": out_},
+    )  # fmt: skip
+    left, right = _window(is_causal, left, right, max_k, single_queries=max_q == 1)
+    out, lse = exact_forward(q, k, v, bounds_q, bounds_k, scale, left, right)
+    return (out if out_ is None else out_.copy_(out)), lse
+
+
+def varlen_backward(
+    dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, scale, is_causal, left, right
+):
+    """What every varlen backward kernel does here: its checks, then ``dq, dk, dv`` (into the buffers given)
+    and ``softmax_d``."""
+    bounds_q, bounds_k = check_varlen_call(
+        q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+        others={"out": out, "dout": dout, "dq": dq, "dk": dk, "dv": dv},
+    )  # fmt: skip
+    _require(lse.dtype == torch.float32, f"softmax_lse must be float32, got {lse.dtype}")
+    left, right = _window(is_causal, left, right, max_k)
+    grads = exact_backward(dout, q, k, v, bounds_q, bounds_k, scale, left, right)
+    dq, dk, dv = (
+        (torch.empty_like(x) if buffer is None else buffer).copy_(grad)
+        for buffer, x, grad in zip((dq, dk, dv), (q, k, v), grads, strict=True)
+    )
+    softmax_d = (dout.double() * out.double()).sum(-1).transpose(0, 1).float()
+    return dq, dk, dv, softmax_d
+
+
 # ----------------------------------------------------------------------------------------------------------
 # flash-attn 2: the compiled module flash_attn_2_cuda
 
@@ -207,20 +238,14 @@ def _fa2_varlen_fwd(
     window_size_right, softcap, return_softmax, gen,
 ):  # fmt: skip
     """``flash_attn_2_cuda.varlen_fwd``: ``(out, softmax_lse, S_dmask, rng_state)``."""
-    bounds_q, bounds_k = check_varlen_call(
-        q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, others={"out": out_},
-    )  # fmt: skip
     _no_extras(
         seqused_k=seqused_k, leftpad_k=leftpad_k, paged_kv=block_table, alibi=alibi_slopes,
         dropout=p_dropout, softcap=softcap, returned_softmax=return_softmax,
     )  # fmt: skip
-    left, right = _window(
-        is_causal, window_size_left, window_size_right, max_seqlen_k, single_queries=max_seqlen_q == 1
-    )
-    out, lse = exact_forward(q, k, v, bounds_q, bounds_k, softmax_scale, left, right)
-    if out_ is not None:
-        out = out_.copy_(out)
+    out, lse = varlen_forward(
+        q, k, v, out_, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, is_causal,
+        window_size_left, window_size_right,
+    )  # fmt: skip
     return out, lse, q.new_empty(0), torch.zeros(2, dtype=torch.int64)
 
 
@@ -230,20 +255,11 @@ def _fa2_varlen_bwd(
     softcap, deterministic, gen, rng_state,
 ):  # fmt: skip
     """``flash_attn_2_cuda.varlen_bwd``: fills ``dq, dk, dv``; returns them and ``softmax_d``."""
-    bounds_q, bounds_k = check_varlen_call(
-        q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, others={"out": out, "dout": dout, "dq": dq, "dk": dk, "dv": dv},
-    )  # fmt: skip
-    _require(softmax_lse.dtype == torch.float32, f"softmax_lse must be float32, got {softmax_lse.dtype}")
     _no_extras(alibi=alibi_slopes, dropout=p_dropout, softcap=softcap)
-    left, right = _window(is_causal, window_size_left, window_size_right, max_seqlen_k)
-    grads = exact_backward(dout, q, k, v, bounds_q, bounds_k, softmax_scale, left, right)
-    dq, dk, dv = (
-        (torch.empty_like(x) if buffer is None else buffer).copy_(grad)
-        for buffer, x, grad in zip((dq, dk, dv), (q, k, v), grads, strict=True)
-    )
-    softmax_d = (dout.double() * out.double()).sum(-1).transpose(0, 1).float()
-    return dq, dk, dv, softmax_d
+    return varlen_backward(
+        dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        softmax_scale, is_causal, window_size_left, window_size_right,
+    )  # fmt: skip
 
 
 def _not_stood_in(name: str):
@@ -344,21 +360,15 @@ def _fa3_fwd(
     attention_chunk, softcap, rotary_interleaved, scheduler_metadata, num_splits, pack_gqa, sm_margin,
 ):  # fmt: skip
     """``flash_attn_3._C.fwd``: ``(out, softmax_lse, out_accum, softmax_lse_accum)``."""
-    bounds_q, bounds_k = check_varlen_call(
-        q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, others={"out": out_},
-    )  # fmt: skip
     _no_extras(
         appended_kv=k_new, qv=qv, seqused_q=seqused_q, seqused_k=seqused_k, paged_kv=page_table,
         kv_batch_idx=kv_batch_idx, leftpad_k=leftpad_k, rotary=rotary_cos, fp8_descale=q_descale,
         attention_chunk=attention_chunk, softcap=softcap,
     )  # fmt: skip
-    left, right = _window(
-        is_causal, window_size_left, window_size_right, max_seqlen_k, single_queries=max_seqlen_q == 1
-    )
-    out, lse = exact_forward(q, k, v, bounds_q, bounds_k, softmax_scale, left, right)
-    if out_ is not None:
-        out = out_.copy_(out)
+    out, lse = varlen_forward(
+        q, k, v, out_, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, is_causal,
+        window_size_left, window_size_right,
+    )  # fmt: skip
     return out, lse, None, None
 
 
@@ -368,13 +378,12 @@ def _fa3_bwd(
     deterministic, sm_margin,
 ):  # fmt: skip
     """``flash_attn_3._C.bwd``: fills ``dq, dk, dv``; returns ``softmax_d`` first."""
-    dq_fa2, dk_fa2, dv_fa2, softmax_d = _fa2_varlen_bwd(
-        dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, None, max_seqlen_q,
-        max_seqlen_k, 0.0, softmax_scale, False, is_causal, window_size_left, window_size_right, softcap,
-        deterministic, None, None,
+    _no_extras(seqused_q=seqused_q, seqused_k=seqused_k, softcap=softcap)
+    dq, dk, dv, softmax_d = varlen_backward(
+        dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        softmax_scale, is_causal, window_size_left, window_size_right,
     )  # fmt: skip
-    _no_extras(seqused_q=seqused_q, seqused_k=seqused_k)
-    return softmax_d, dq_fa2, dk_fa2, dv_fa2
+    return softmax_d, dq, dk, dv
 
 
 FA3_KERNEL = types.SimpleNamespace(fwd=_fa3_fwd, bwd=_fa3_bwd)
@@ -442,21 +451,13 @@ def _aten_forward(
 ):  # fmt: skip
     """``aten::_flash_attention_forward``, varlen form: ``(out, logsumexp, rng_state, unused, debug_mask)``."""
     _require(cum_seq_q is not None and cum_seq_k is not None, "the stand-in runs the varlen form only")
-    bounds_q, bounds_k = check_varlen_call(
-        q=query, k=key, v=value, cu_seqlens_q=cum_seq_q, cu_seqlens_k=cum_seq_k, max_seqlen_q=max_q,
-        max_seqlen_k=max_k,
-    )  # fmt: skip
     _no_extras(dropout=dropout_p, debug_mask=return_debug_mask, seqused_k=seqused_k, alibi=alibi_slopes)
     _no_extras(paged_kv=block_table)
     scale = query.shape[-1] ** -0.5 if scale is None else scale
-    left, right = _window(
-        is_causal,
-        _unbounded(window_size_left),
-        _unbounded(window_size_right),
-        max_k,
-        single_queries=max_q == 1,
-    )
-    out, lse = exact_forward(query, key, value, bounds_q, bounds_k, scale, left, right)
+    out, lse = varlen_forward(
+        query, key, value, None, cum_seq_q, cum_seq_k, max_q, max_k, scale, is_causal,
+        _unbounded(window_size_left), _unbounded(window_size_right),
+    )  # fmt: skip
     rng_state = torch.zeros(2, dtype=torch.uint64)
     return out, lse, rng_state, torch.empty(0, dtype=torch.uint64), query.new_empty(0)
 
@@ -466,16 +467,13 @@ def _aten_backward(
     rng_state, unused, *, scale=None, window_size_left=None, window_size_right=None,
 ):  # fmt: skip
     """``aten::_flash_attention_backward``, varlen form: ``(grad_query, grad_key, grad_value)``."""
-    bounds_q, bounds_k = check_varlen_call(
-        q=query, k=key, v=value, cu_seqlens_q=cum_seq_q, cu_seqlens_k=cum_seq_k, max_seqlen_q=max_q,
-        max_seqlen_k=max_k, others={"out": out, "grad_out": grad_out},
-    )  # fmt: skip
-    _require(logsumexp.dtype == torch.float32, f"logsumexp must be float32, got {logsumexp.dtype}")
     _no_extras(dropout=dropout_p)
     scale = query.shape[-1] ** -0.5 if scale is None else scale
-    left, right = _window(is_causal, _unbounded(window_size_left), _unbounded(window_size_right), max_k)
-    grads = exact_backward(grad_out, query, key, value, bounds_q, bounds_k, scale, left, right)
-    return tuple(grad.to(x.dtype) for grad, x in zip(grads, (query, key, value), strict=True))
+    dq, dk, dv, _ = varlen_backward(
+        grad_out, query, key, value, out, logsumexp, None, None, None, cum_seq_q, cum_seq_k, max_q, max_k,
+        scale, is_causal, _unbounded(window_size_left), _unbounded(window_size_right),
+    )  # fmt: skip
+    return dq, dk, dv
 
 
 def _unbounded(size: int | None) -> int:
