@@ -6,7 +6,8 @@ launched ones run the real trainer (DDP or DeepSpeed ZeRO-3, activation checkpoi
 in one process (``sequence_parallel_run.py``), and compare each with the same step on one process
 without splitting: the parameters after one plain SGD step (the update the engine applied, so a gradient
 scaled by the group size would show), the step's loss and the eval loss. Two controls break the split on
-purpose and must show a difference. Last, ``train.py`` and the memory probe as users launch them.
+purpose and must show a difference. Last, the memory probe as users launch it (``train.py`` split
+over two ranks is checked on the launch of tests/test_eval_in_training.py).
 """
 
 from __future__ import annotations
@@ -21,12 +22,9 @@ from conftest import (
     DEMO,
     FLOAT32_BOUND,
     ROOT,
-    count_packs,
-    demo_overrides,
     launch,
     needs_deepspeed,
     needs_launcher,
-    save_packs,
     tiny_model,
 )
 from sequence_parallel_run import model, one_step
@@ -245,23 +243,8 @@ def test_controls_that_break_the_split_show_it(launched, reference):
 # --- the run as users start it ---------------------------------------------------------------------------
 
 
-@pytest.mark.integration
-@needs_launcher
-@needs_deepspeed
-def test_train_splits_each_pack_over_two_ranks_after_the_preflight(tmp_path):
-    packs = save_packs(tmp_path / "packs", count_packs([[40, 21], [30], [50, 11], [25, 24]]))
-    result = launch(
-        ROOT / "train.py", "--config", str(DEMO), *demo_overrides(tmp_path / "run", packs),
-        "training.sequence_parallel_size=2", "training.max_steps=2", "training.logging_steps=1",
-        "training.save_strategy='no'", "training.disable_tqdm=true", "data.eval_file=''",
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-4000:]
-    rows = {line.split("  ")[0]: line.split() for line in result.stdout.splitlines()}
-    assert rows["sequence parallel"][2:] == ["ok", "all", "2", "ranks", "per", "pack,", "1", "group"]
-    assert rows["first packs"][2:5] == ["ok", "all", "group"]  # one group: both ranks hold the same packs
-    state = json.loads((tmp_path / "run" / "trainer_state.json").read_text())
-    steps = [entry for entry in state["log_history"] if "loss" in entry]
-    assert [entry["packs_per_step"] for entry in steps] == [1, 1]  # each pack counted once, not per rank
+# train.py with each pack split over two ranks after the preflight: tests/test_eval_in_training.py
+# (test_train_splits_each_pack_over_two_ranks_after_the_preflight), on the launch its scoring test makes.
 
 
 @pytest.mark.integration
