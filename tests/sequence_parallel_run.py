@@ -24,6 +24,7 @@ import functools
 import os
 import sys
 import tempfile
+import traceback
 from collections.abc import Callable
 
 import datasets
@@ -190,7 +191,9 @@ def engine_stage(engine: str) -> int | None:
 def run_variants(step: Callable[..., dict], names: list[str]) -> dict[str, dict]:
     """``step(VARIANT, zero_stage=...)`` for every ``ENGINE/VARIANT`` in ``names``, in order, by that name.
 
-    The DDP ones must come first: a DeepSpeed trainer leaves its engine set up in the process.
+    The DDP ones must come first: a DeepSpeed trainer leaves its engine set up in the process. A case that
+    raises (on every rank alike) is kept as ``{"error": traceback}`` and the next one runs, so that each
+    test reads its own cases' failure (:func:`outcome`), not the launch's.
     """
     results, deepspeed_ran = {}, False
     for name in names:
@@ -198,8 +201,17 @@ def run_variants(step: Callable[..., dict], names: list[str]) -> dict[str, dict]
         zero_stage = engine_stage(engine)
         assert not (deepspeed_ran and zero_stage is None), f"{name}: put the ddp variants first"
         deepspeed_ran |= zero_stage is not None
-        results[name] = step(variant, zero_stage=zero_stage)
+        try:
+            results[name] = step(variant, zero_stage=zero_stage)
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
     return results
+
+
+def outcome(results: dict[str, dict], name: str) -> dict:
+    """What case ``name`` of a launch wrote; its traceback as the failure if it raised."""
+    assert "error" not in results[name], f"{name} failed in the launch:\n{results[name]['error'][-3000:]}"
+    return results[name]
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from kernel_standins import (
     kernels_on_cpu,
     load_flash_attn,
 )
+from sequence_parallel_run import outcome
 from tiled_mlp_run import one_step
 
 from longalign import attention
@@ -243,10 +244,12 @@ def test_sequence_parallel_2_with_flash_attn_trains_the_one_rank_step(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     results = torch.load(out)
     for variant, case in zip(variants, cases, strict=True):
-        want = one_step(variant)  # one process, packs whole
-        assert worst_parameter_error(results[case]["update"], want["update"]) <= STEP_BOUND, variant
-        assert results[case]["loss"] == pytest.approx(want["loss"], rel=1e-4), variant
-    halves = results[cases[1]]["mlp_tokens"]  # forward and recompute: each rank ran its half of the packs
+        got, want = outcome(results, case), one_step(variant)  # want: one process, packs whole
+        assert worst_parameter_error(got["update"], want["update"]) <= STEP_BOUND, variant
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-4), variant
+    halves = outcome(results, cases[1])[
+        "mlp_tokens"
+    ]  # forward and recompute: each rank ran its half of the packs
     assert [sorted(set(calls)) for calls in halves] == [[17, 18], [17, 18]]
 
 

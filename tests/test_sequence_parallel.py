@@ -27,7 +27,7 @@ from conftest import (
     needs_launcher,
     tiny_model,
 )
-from sequence_parallel_run import model, one_step
+from sequence_parallel_run import model, one_step, outcome
 from transformers import DeepseekV3Config, GlmConfig, LlamaConfig, Qwen3NextConfig
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -199,7 +199,7 @@ def test_split_packs_give_the_step_of_the_whole_packs(name, launched, reference)
     launch_name, engine = SCENARIOS[name]
     results = launched(launch_name)
     for weighting in WEIGHTINGS:
-        got, want = results[f"{engine}/{weighting}"], reference[weighting]
+        got, want = outcome(results, f"{engine}/{weighting}"), reference[weighting]
         assert update_difference(got, want, reference["start"]) < 1e-4, weighting
         assert update_ratio(got, want, reference["start"]) == pytest.approx(1, rel=1e-5)
         assert got["loss"] == pytest.approx(want["loss"], rel=FLOAT32_BOUND)
@@ -214,7 +214,7 @@ def test_split_packs_give_the_step_of_the_whole_packs(name, launched, reference)
 @needs_deepspeed
 def test_adapters_train_the_same_step_on_split_packs(launched):
     """LoRA adapters (and trained norms) on split packs: the update the unsplit step applies, exactly."""
-    got = launched("2 ranks")["ddp/sequence_level:adapters"]
+    got = outcome(launched("2 ranks"), "ddp/sequence_level:adapters")
     start = {name: p.detach().clone() for name, p in model(1, adapters=True).named_parameters()}
     want = one_step("sequence_level:adapters")
     moved = [name for name in start if not torch.equal(want["params"][name], start[name])]
@@ -231,11 +231,11 @@ def test_adapters_train_the_same_step_on_split_packs(launched):
 def test_controls_that_break_the_split_show_it(launched, reference):
     results, start = launched("2 ranks"), reference["start"]
     # Shifting inside each slice loses the targets whose label sits on the next rank.
-    in_shard = results["ddp/sequence_level:in_shard_shift"]
+    in_shard = outcome(results, "ddp/sequence_level:in_shard_shift")
     assert update_difference(in_shard, reference["sequence_level"], start) > 0.05
     assert in_shard["loss"] != pytest.approx(reference["sequence_level"]["loss"], rel=1e-3)
     # Every rank counting the whole pack's weight doubles the denominator: half the true step.
-    whole = results["ddp/token_level:whole_pack_weights"]
+    whole = outcome(results, "ddp/token_level:whole_pack_weights")
     assert update_ratio(whole, reference["token_level"], start) == pytest.approx(0.5, rel=1e-5)
     assert whole["loss"] == pytest.approx(reference["token_level"]["loss"] / 2, rel=FLOAT32_BOUND)
 

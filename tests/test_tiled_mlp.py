@@ -26,6 +26,7 @@ from conftest import (
     relative_error,
     tiny_model,
 )
+from sequence_parallel_run import outcome
 from tiled_mlp_run import TILE_TOKENS, one_step
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -192,10 +193,10 @@ def whole(variant: str) -> str:
 def test_split_packs_with_tiled_mlps_give_the_step_of_the_whole_packs(two_ranks):
     """DDP over 2 ranks, each pack split over both (sequence parallelism 2): each rank tiles its half."""
     for variant in SPLIT:
-        got, want = two_ranks[f"ddp/{variant}"], one_step(whole(variant))
+        got, want = outcome(two_ranks, f"ddp/{variant}"), one_step(whole(variant))
         assert relative_error(got["update"], want["update"]) < FLOAT64_BOUND, variant
         assert got["loss"] == pytest.approx(want["loss"], rel=FLOAT32_BOUND)
-    halves = two_ranks["ddp/llama+tiled+split"]["mlp_tokens"]
+    halves = outcome(two_ranks, "ddp/llama+tiled+split")["mlp_tokens"]
     assert halves == [[18, 17], [18, 17]]  # every rank: its half of the packs of 36 and of 34 tokens
 
 
@@ -204,9 +205,9 @@ def test_split_packs_with_tiled_mlps_give_the_step_of_the_whole_packs(two_ranks)
 @needs_deepspeed
 def test_zero3_ranks_with_different_tile_counts_do_not_wait_on_each_other(two_ranks):
     """ZeRO-3 on 2 ranks, one pack each: 51 tokens (7 tiles) on one, 14 (2 tiles) on the other."""
-    tokens = sorted(calls[0] for calls in two_ranks["zero3/llama+tiled+uneven"]["mlp_tokens"])
+    tokens = sorted(calls[0] for calls in outcome(two_ranks, "zero3/llama+tiled+uneven")["mlp_tokens"])
     assert [tile_count(n, TINY["hidden_size"], TILE_TOKENS) for n in tokens] == [2, 7]
-    tiled, dense = two_ranks["zero3/llama+tiled+uneven"], two_ranks["zero3/llama+uneven"]
+    tiled, dense = outcome(two_ranks, "zero3/llama+tiled+uneven"), outcome(two_ranks, "zero3/llama+uneven")
     assert relative_error(tiled["update"], dense["update"]) < FLOAT64_BOUND
     # Against one process without ZeRO: ZeRO-3 itself moves the update by about 2e-7, tiled or not.
     for variant in UNEVEN:
