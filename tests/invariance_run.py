@@ -1,10 +1,12 @@
 """One optimizer step of LongAlignTrainer on a fixed global batch; writes the parameter gradient.
 
-Imported by tests/test_invariance.py, and run under ``accelerate launch`` for the multi-rank case:
+Imported by tests/test_invariance.py, and run under ``accelerate launch`` for the multi-rank cases, every
+case in one launch:
 
-    accelerate launch --multi_gpu --num_processes 2 tests/invariance_run.py OUT.pt WEIGHTING SAMPLES_PER_PACK GA [FAMILY]
+    accelerate launch --multi_gpu --num_processes 2 tests/invariance_run.py OUT.pt SAMPLES_PER_PACK GA CASE...
 
-With a model family (``llama``, ``glm4``) the model trains LoRA adapters (:data:`ADAPTERS`) instead of every weight.
+A case is ``WEIGHTING`` (every weight trains) or ``WEIGHTING:FAMILY`` (``llama``, ``glm4``: LoRA adapters,
+:data:`ADAPTERS`, on that family's tiny model). Rank 0 writes the gradients of every case, by case.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from longalign.batching import PackCollator
 from longalign.config import LoraConfig
 from longalign.lora import adapted_head
 from longalign.loss import linear_head
-from longalign.run import close
+from longalign.run import close, release
 from longalign.trainer import LongAlignTrainer
 
 VOCAB = TINY["vocab_size"]
@@ -123,12 +125,16 @@ def one_step(
             read_head = adapted_head if lora else linear_head
             trainer = LongAlignTrainer(**common, weighting=weighting, loss_chunk_size=7, read_head=read_head)
         trainer.train()
+        release(trainer)  # the DDP wrapper, before the next case's trainer or the process group goes
     return capture.grads
 
 
 if __name__ == "__main__":
-    path, weighting, per_pack, accumulation = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    grads = one_step(weighting, per_pack, accumulation, lora=sys.argv[5] if len(sys.argv) > 5 else None)
+    path, per_pack, accumulation, *cases = sys.argv[1:]
+    grads = {}
+    for case in cases:
+        weighting, _, family = case.partition(":")
+        grads[case] = one_step(weighting, int(per_pack), int(accumulation), lora=family or None)
     if int(torch.distributed.get_rank()) == 0:
         torch.save(grads, path)
     close()

@@ -1,23 +1,31 @@
 """One optimizer step of LongAlignTrainer with each pack split over ranks; writes what the step did.
 
 Imported by tests/test_sequence_parallel.py for the one-process reference (sequence_parallel_size 1), and
-run under ``accelerate launch`` for the split runs, every variant in one launch:
+run under ``accelerate launch`` for the split runs, every variant of a launch in one process:
 
-    accelerate launch --multi_gpu --num_processes 2 tests/sequence_parallel_run.py OUT.pt SIZE ZERO_STAGE VARIANT...
+    accelerate launch --multi_gpu --num_processes 2 tests/sequence_parallel_run.py OUT.pt SIZE ENGINE/VARIANT...
 
-``ZERO_STAGE`` is ``none`` (DDP) or a DeepSpeed ZeRO stage. A variant is ``WEIGHTING``,
+``ENGINE`` is ``ddp`` or ``zero<STAGE>`` (DeepSpeed ZeRO, e.g. ``zero3``); the DDP variants come first, since
+a DeepSpeed trainer leaves its engine set up in the process. A variant is ``WEIGHTING``,
 ``WEIGHTING:adapters`` (LoRA adapters on the tiny model, ``ADAPTERS``), or ``WEIGHTING:CONTROL`` with a
-control that breaks the split on purpose (``CONTROLS``). For each, rank 0
-writes the parameters after one plain SGD step (no clipping, no momentum, learning rate 1: the update is
-the gradient the engine applied), the step's loss, the eval loss and the step's logged counts; and, under
+control that breaks the split on purpose (``CONTROLS``). For each, rank 0 writes, under ``ENGINE/VARIANT``,
+the parameters after one plain SGD step (no clipping, no momentum, learning rate 1: the update is the
+gradient the engine applied), the step's loss, the eval loss and the step's logged counts; and, under
 ``guard``, what registering the wrapped attention name again says.
+
+A new case is a new ``:CASE`` word: give it a branch where :func:`one_step` builds the collator or the model.
+The Ulysses layer is set up once per process for one attention name, so a case on another attention
+backend needs a launch of its own.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import tempfile
+import traceback
+from collections.abc import Callable
 
 import datasets
 import torch
@@ -172,10 +180,43 @@ def parameters(model: torch.nn.Module, zero_stage: int | None) -> dict[str, torc
         return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
+def engine_stage(engine: str) -> int | None:
+    """``"ddp"`` -> None, ``"zero3"`` -> 3."""
+    if engine == "ddp":
+        return None
+    assert engine.startswith("zero") and engine[4:].isdigit(), f"engine {engine!r}: use ddp or zero<STAGE>"
+    return int(engine[4:])
+
+
+def run_variants(step: Callable[..., dict], names: list[str]) -> dict[str, dict]:
+    """``step(VARIANT, zero_stage=...)`` for every ``ENGINE/VARIANT`` in ``names``, in order, by that name.
+
+    The DDP ones must come first: a DeepSpeed trainer leaves its engine set up in the process. A case that
+    raises (on every rank alike) is kept as ``{"error": traceback}`` and the next one runs, so that each
+    test reads its own cases' failure (:func:`outcome`), not the launch's.
+    """
+    results, deepspeed_ran = {}, False
+    for name in names:
+        engine, _, variant = name.partition("/")
+        zero_stage = engine_stage(engine)
+        assert not (deepspeed_ran and zero_stage is None), f"{name}: put the ddp variants first"
+        deepspeed_ran |= zero_stage is not None
+        try:
+            results[name] = step(variant, zero_stage=zero_stage)
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+    return results
+
+
+def outcome(results: dict[str, dict], name: str) -> dict:
+    """What case ``name`` of a launch wrote; its traceback as the failure if it raised."""
+    assert "error" not in results[name], f"{name} failed in the launch:\n{results[name]['error'][-3000:]}"
+    return results[name]
+
+
 if __name__ == "__main__":
-    path, size, stage, *variants = sys.argv[1:]
-    zero_stage = None if stage == "none" else int(stage)
-    results = {variant: one_step(variant, size=int(size), zero_stage=zero_stage) for variant in variants}
+    path, size, *variants = sys.argv[1:]
+    results = run_variants(functools.partial(one_step, size=int(size)), variants)
     try:
         longalign.patch.register(
             "sdpa_segments", name=longalign.patch.ATTENTION_NAMES["sdpa_segments"] + SUFFIX

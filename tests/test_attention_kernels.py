@@ -32,6 +32,7 @@ from kernel_standins import (
     kernels_on_cpu,
     load_flash_attn,
 )
+from sequence_parallel_run import outcome
 from tiled_mlp_run import one_step
 
 from longalign import attention
@@ -238,16 +239,17 @@ def test_sequence_parallel_2_with_flash_attn_trains_the_one_rank_step(tmp_path):
         pytest.skip(f"flash-attn's Python layer is not available here: {error}")
     variants = ["llama+bf16+flash_attn", "llama+bf16+flash_attn+tiled+checkpointing"]
     out, here = tmp_path / "results.pt", Path(__file__).resolve().parent
-    result = launch(
-        here / "tiled_mlp_run.py", str(out), "2", "none", *variants, env={"PYTHONPATH": str(here)}
-    )
+    cases = [f"ddp/{variant}+split" for variant in variants]
+    result = launch(here / "tiled_mlp_run.py", str(out), *cases, env={"PYTHONPATH": str(here)})
     assert result.returncode == 0, result.stderr[-4000:]
     results = torch.load(out)
-    for variant in variants:
-        want = one_step(variant)  # one process, packs whole
-        assert worst_parameter_error(results[variant]["update"], want["update"]) <= STEP_BOUND, variant
-        assert results[variant]["loss"] == pytest.approx(want["loss"], rel=1e-4), variant
-    halves = results[variants[1]]["mlp_tokens"]  # forward and recompute: each rank ran its half of the packs
+    for variant, case in zip(variants, cases, strict=True):
+        got, want = outcome(results, case), one_step(variant)  # want: one process, packs whole
+        assert worst_parameter_error(got["update"], want["update"]) <= STEP_BOUND, variant
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-4), variant
+    halves = outcome(results, cases[1])[
+        "mlp_tokens"
+    ]  # forward and recompute: each rank ran its half of the packs
     assert [sorted(set(calls)) for calls in halves] == [[17, 18], [17, 18]]
 
 

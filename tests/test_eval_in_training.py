@@ -290,23 +290,48 @@ def check_against_the_command(
 
 
 PACKS = [[40, 21], [30], [50, 11], [25, 24], [60], [33, 20]]
+# One launch per scenario, shared by the tests that read it: (launcher, accelerate config, split, tasks, dtype).
+LAUNCHES = {
+    "ddp": ("launch", None, 1, list(RUN_TASKS), "float64"),
+    "sequence_parallel": ("launch", None, 2, list(RUN_TASKS), "float64"),
+    "zero3_sequence_parallel": ("launch_with_config", "zero3.yaml", 2, ["needle"], "float32"),
+}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """Train ``LAUNCHES[name]`` once per module on 2 CPU ranks: ``(result, run directory)``."""
+    done: dict[str, tuple] = {}
+
+    def run(name: str) -> tuple:
+        if name not in done:
+            launcher, config, split, tasks, dtype = LAUNCHES[name]
+            tmp = tmp_path_factory.mktemp(name)
+            run_dir, packs = tmp / "run", save_packs(tmp / "packs", count_packs(PACKS))
+            args = [str(ROOT / "train.py"), "--config", str(DEMO), *run_overrides(run_dir, packs, tasks),
+                    f"model.torch_dtype='{dtype}'", f"training.sequence_parallel_size={split}"]  # fmt: skip
+            if launcher == "launch":
+                result = launch(*args, env=network_blocked_env(), cwd=ROOT, timeout=800)
+            else:
+                result = launch_with_config(config, *args, env=network_blocked_env(), timeout=800)
+            assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+            done[name] = (result, run_dir)
+        return done[name]
+
+    return run
 
 
 @pytest.mark.integration
 @needs_launcher
 @pytest.mark.parametrize(
-    "split", [1, pytest.param(2, marks=needs_deepspeed)], ids=["ddp", "sequence_parallel"]
+    "split",
+    ["ddp", pytest.param("sequence_parallel", marks=needs_deepspeed)],
+    ids=["ddp", "sequence_parallel"],
 )
-def test_logged_scores_at_step_n_are_the_command_on_checkpoint_n(tmp_path, split):
+def test_logged_scores_at_step_n_are_the_command_on_checkpoint_n(tmp_path, launched, split):
     """DDP on 2 CPU ranks in float64, and with every pack split over both ranks (the scoring attends whole
     rows, around the split): the command's rows, so its scores, to float64 rounding."""
-    run, packs = tmp_path / "run", save_packs(tmp_path / "packs", count_packs(PACKS))
-    result = launch(
-        ROOT / "train.py", "--config", str(DEMO), *run_overrides(run, packs, list(RUN_TASKS)),
-        "model.torch_dtype='float64'", f"training.sequence_parallel_size={split}", env=network_blocked_env(),
-        cwd=ROOT, timeout=800,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-4000:]
+    result, run = launched(split)
     assert result.stdout.count("eval_tasks: needle every 2 steps: 6 prompts") == 1  # rank 0, once
     assert result.stdout.count("eval_tasks: ruler every 2 steps: 4 prompts") == 1
     assert result.stdout.count("eval_tasks: needle's first evaluation (step 0) took") == 1
@@ -317,15 +342,37 @@ def test_logged_scores_at_step_n_are_the_command_on_checkpoint_n(tmp_path, split
 @pytest.mark.integration
 @needs_launcher
 @needs_deepspeed
-def test_zero3_with_split_packs_scores_on_every_rank_without_hanging(tmp_path):
+def test_train_splits_each_pack_over_two_ranks_after_the_preflight(launched):
+    """train.py with sequence_parallel_size 2 on 2 ranks (the launch above): the preflight's rows, and each
+    pack counted once in the step's logs, not once per rank."""
+    result, run = launched("sequence_parallel")
+    rows = {line.split("  ")[0]: line.split() for line in result.stdout.splitlines()}
+    assert rows["sequence parallel"][2:] == ["ok", "all", "2", "ranks", "per", "pack,", "1", "group"]
+    assert rows["first packs"][2:5] == ["ok", "all", "group"]  # one group: both ranks hold the same packs
+    state = json.loads((run / "trainer_state.json").read_text())
+    steps = [entry for entry in state["log_history"] if "loss" in entry]
+    assert [entry["packs_per_step"] for entry in steps] == [1, 1, 1, 1]
+
+
+@pytest.mark.integration
+@needs_launcher
+@needs_deepspeed
+def test_zero3_with_split_packs_scores_on_every_rank_without_hanging(tmp_path, launched):
     """ZeRO-3 on 2 CPU ranks, each pack split over both: every rank gathers the weights for every row's
     forward, the rank short of a row included; float32, so the scores agree to float32 rounding."""
-    run = tmp_path / "run"
-    result = launch_with_config(
-        "zero3.yaml", "train.py", "--config", str(DEMO),
-        *run_overrides(run, save_packs(tmp_path / "packs", count_packs(PACKS)), ["needle"]),
-        "training.sequence_parallel_size=2", env=network_blocked_env(), timeout=800,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    result, run = launched("zero3_sequence_parallel")
     assert "DeepSpeed ZeRO-3 over 2 CPU ranks on 1 node; sequence parallel: 2 ranks per pack" in result.stdout
     check_against_the_command(run, tmp_path, ["needle"], dtype="float32", bound=FLOAT32_BOUND)
+
+
+@pytest.mark.integration
+@needs_launcher
+@needs_deepspeed
+def test_train_reports_zero3_with_sequence_parallelism_on_cpu_ranks(launched):
+    """The same launch (``configs/accelerate/zero3.yaml``, train.py): the preflight's parallelism row."""
+    out = launched("zero3_sequence_parallel")[0].stdout
+    line = next(line for line in out.splitlines() if line.startswith("parallelism "))
+    assert line.split(None, 3)[1:] == [
+        "ok", "all", "DeepSpeed ZeRO-3 over 2 CPU ranks on 1 node; sequence parallel: 2 ranks per pack, 1 group"
+    ]  # fmt: skip
+    assert "asked for" not in out and "preflight: ok" in out and "train_runtime" in out

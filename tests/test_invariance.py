@@ -50,15 +50,25 @@ def test_accumulation_of_four(weighting, reference):
     assert_same(one_step(weighting, samples_per_pack=N // 4, accumulation=4), reference)
 
 
-@pytest.mark.integration
-@needs_launcher
-def test_two_ranks_times_accumulation_two(weighting, reference, tmp_path):
-    out = tmp_path / "grads.pt"
+# Every two-rank case in one launch: the weightings with every weight trained, the families with adapters.
+TWO_RANK_CASES = ["sequence_level", "token_level", "sequence_level:llama", "sequence_level:glm4"]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict:
+    """Gradients of one step on 2 ranks x accumulation 2 (N/4 samples per pack), by case; launched once."""
+    out = tmp_path_factory.mktemp("invariance") / "grads.pt"
     result = launch(
-        HERE / "invariance_run.py", str(out), weighting, str(N // 4), "2", env={"PYTHONPATH": str(HERE)}
+        HERE / "invariance_run.py", str(out), str(N // 4), "2", *TWO_RANK_CASES, env={"PYTHONPATH": str(HERE)}
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert_same(torch.load(out), reference)
+    return torch.load(out)
+
+
+@pytest.mark.integration
+@needs_launcher
+def test_two_ranks_times_accumulation_two(weighting, reference, two_ranks):
+    assert_same(two_ranks[weighting], reference)
 
 
 @pytest.fixture(scope="module", params=["llama", "glm4"])
@@ -81,14 +91,8 @@ def test_adapter_gradients_do_not_depend_on_the_split(family, adapter_reference,
 
 @pytest.mark.integration
 @needs_launcher
-def test_adapters_on_two_ranks_times_accumulation_two(family, adapter_reference, tmp_path):
-    out = tmp_path / "grads.pt"
-    result = launch(
-        HERE / "invariance_run.py", str(out), "sequence_level", str(N // 4), "2", family,
-        env={"PYTHONPATH": str(HERE)},
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert_same(torch.load(out), adapter_reference)
+def test_adapters_on_two_ranks_times_accumulation_two(family, adapter_reference, two_ranks):
+    assert_same(two_ranks[f"sequence_level:{family}"], adapter_reference)
 
 
 def test_stock_trainer_is_token_level_not_sequence_level():

@@ -48,7 +48,6 @@ from longalign.preflight import (
     requested_engines,
     sequence_parallel_checks,
     unmet_request,
-    version_checks,
 )
 
 # Runs a script as one rank of a launch with that rank's own working directory and environment variables,
@@ -444,29 +443,6 @@ def test_a_sharding_config_that_is_not_in_effect_says_so(tmp_path, accelerate_co
     assert f"\nparallelism: {asked}\npreflight: ok\n" in out
 
 
-@pytest.mark.integration
-@needs_launcher
-@needs_deepspeed
-def test_train_reports_zero3_with_sequence_parallelism_on_cpu_ranks(tmp_path):
-    packs = write_packs(tmp_path / "packs", PACKS)
-    result = launch_with_config(
-        "zero3.yaml", str(ROOT / "train.py"), "--config", str(DEMO), *demo_overrides(tmp_path / "run", packs),
-        "training.sequence_parallel_size=2", "training.max_steps=1", "training.save_strategy='no'",
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    out = result.stdout
-    assert parallelism_line(out) == [
-        "ok", "all", "DeepSpeed ZeRO-3 over 2 CPU ranks on 1 node; sequence parallel: 2 ranks per pack, 1 group"
-    ]  # fmt: skip
-    assert "asked for" not in out and "preflight: ok" in out and "train_runtime" in out
-
-
-def test_the_flash_row_names_every_flash_kernel_installed(tmp_path, monkeypatch):
-    """FA3 installs as ``flash_attn_3`` from the repository's hopper/ folder: the row names it too."""
-    for name, version in (("flash_attn_3", "3.0.0b1"), ("flash_attn_4", "4.0.0b36")):
-        info = tmp_path / f"{name}-{version}.dist-info"
-        info.mkdir()
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    [row] = [check for check in version_checks() if check.name == "flash-attn"]
-    assert "flash-attn-3 3.0.0b1" in row.value and "flash-attn-4 4.0.0b36" in row.value
+# ZeRO-3 with sequence parallelism through train.py on CPU ranks: the parallelism row is checked by
+# tests/test_eval_in_training.py (test_train_reports_zero3_with_sequence_parallelism_on_cpu_ranks), on the
+# launch its scoring test makes with the same accelerate config and run.

@@ -6,7 +6,8 @@ launched ones run the real trainer (DDP or DeepSpeed ZeRO-3, activation checkpoi
 in one process (``sequence_parallel_run.py``), and compare each with the same step on one process
 without splitting: the parameters after one plain SGD step (the update the engine applied, so a gradient
 scaled by the group size would show), the step's loss and the eval loss. Two controls break the split on
-purpose and must show a difference. Last, ``train.py`` and the memory probe as users launch them.
+purpose and must show a difference. Last, the memory probe as users launch it (``train.py`` split
+over two ranks is checked on the launch of tests/test_eval_in_training.py).
 """
 
 from __future__ import annotations
@@ -21,15 +22,12 @@ from conftest import (
     DEMO,
     FLOAT32_BOUND,
     ROOT,
-    count_packs,
-    demo_overrides,
     launch,
     needs_deepspeed,
     needs_launcher,
-    save_packs,
     tiny_model,
 )
-from sequence_parallel_run import model, one_step
+from sequence_parallel_run import model, one_step, outcome
 from transformers import DeepseekV3Config, GlmConfig, LlamaConfig, Qwen3NextConfig
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -122,21 +120,29 @@ def test_splitting_without_deepspeed_names_the_extra(monkeypatch):
 
 # --- through the real trainer, against one process -------------------------------------------------------
 
-# name: (ranks, ZeRO stage or "none" for DDP, variants computed in that one launch)
+# One launch per number of ranks: (ranks, ENGINE/VARIANT computed in that one launch). DDP comes first.
 LAUNCHES = {
-    "2 ranks, DDP": (
+    "2 ranks": (
         2,
-        "none",
         [
-            *WEIGHTINGS,
-            "sequence_level:in_shard_shift",
-            "token_level:whole_pack_weights",
-            "sequence_level:adapters",
+            *(f"ddp/{weighting}" for weighting in WEIGHTINGS),
+            "ddp/sequence_level:in_shard_shift",
+            "ddp/token_level:whole_pack_weights",
+            "ddp/sequence_level:adapters",
+            *(f"zero3/{weighting}" for weighting in WEIGHTINGS),
         ],
     ),
-    "2 ranks, ZeRO-3": (2, "3", list(WEIGHTINGS)),
-    "4 ranks in 2 groups, DDP": (4, "none", list(WEIGHTINGS)),
-    "4 ranks in 2 groups, ZeRO-3": (4, "3", list(WEIGHTINGS)),
+    "4 ranks in 2 groups": (
+        4,
+        [f"{engine}/{weighting}" for engine in ("ddp", "zero3") for weighting in WEIGHTINGS],
+    ),
+}
+# What each engine's steps are compared on: (launch, engine).
+SCENARIOS = {
+    "2 ranks, DDP": ("2 ranks", "ddp"),
+    "2 ranks, ZeRO-3": ("2 ranks", "zero3"),
+    "4 ranks in 2 groups, DDP": ("4 ranks in 2 groups", "ddp"),
+    "4 ranks in 2 groups, ZeRO-3": ("4 ranks in 2 groups", "zero3"),
 }
 
 
@@ -149,16 +155,16 @@ def reference() -> dict:
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    """Run a launch of ``LAUNCHES`` once per module; its results by variant."""
+    """Run a launch of ``LAUNCHES`` once per module; its results by ``ENGINE/VARIANT``."""
     done: dict[str, dict] = {}
 
     def run(name: str) -> dict:
         if name not in done:
-            ranks, stage, variants = LAUNCHES[name]
+            ranks, variants = LAUNCHES[name]
             out = tmp_path_factory.mktemp("sp") / "results.pt"
             result = launch(
-                HERE / "sequence_parallel_run.py", str(out), "2", stage, *variants,
-                num_processes=ranks, env={"PYTHONPATH": str(HERE)},
+                HERE / "sequence_parallel_run.py", str(out), "2", *variants,
+                num_processes=ranks, env={"PYTHONPATH": str(HERE)}, timeout=600,
             )  # fmt: skip
             assert result.returncode == 0, result.stderr[-4000:]
             done[name] = torch.load(out)
@@ -188,11 +194,12 @@ def update_ratio(got: dict, want: dict, start: dict) -> float:
 @pytest.mark.integration
 @needs_launcher
 @needs_deepspeed
-@pytest.mark.parametrize("name", LAUNCHES)
+@pytest.mark.parametrize("name", SCENARIOS)
 def test_split_packs_give_the_step_of_the_whole_packs(name, launched, reference):
-    results = launched(name)
+    launch_name, engine = SCENARIOS[name]
+    results = launched(launch_name)
     for weighting in WEIGHTINGS:
-        got, want = results[weighting], reference[weighting]
+        got, want = outcome(results, f"{engine}/{weighting}"), reference[weighting]
         assert update_difference(got, want, reference["start"]) < 1e-4, weighting
         assert update_ratio(got, want, reference["start"]) == pytest.approx(1, rel=1e-5)
         assert got["loss"] == pytest.approx(want["loss"], rel=FLOAT32_BOUND)
@@ -207,7 +214,7 @@ def test_split_packs_give_the_step_of_the_whole_packs(name, launched, reference)
 @needs_deepspeed
 def test_adapters_train_the_same_step_on_split_packs(launched):
     """LoRA adapters (and trained norms) on split packs: the update the unsplit step applies, exactly."""
-    got = launched("2 ranks, DDP")["sequence_level:adapters"]
+    got = outcome(launched("2 ranks"), "ddp/sequence_level:adapters")
     start = {name: p.detach().clone() for name, p in model(1, adapters=True).named_parameters()}
     want = one_step("sequence_level:adapters")
     moved = [name for name in start if not torch.equal(want["params"][name], start[name])]
@@ -222,13 +229,13 @@ def test_adapters_train_the_same_step_on_split_packs(launched):
 @needs_launcher
 @needs_deepspeed
 def test_controls_that_break_the_split_show_it(launched, reference):
-    results, start = launched("2 ranks, DDP"), reference["start"]
+    results, start = launched("2 ranks"), reference["start"]
     # Shifting inside each slice loses the targets whose label sits on the next rank.
-    in_shard = results["sequence_level:in_shard_shift"]
+    in_shard = outcome(results, "ddp/sequence_level:in_shard_shift")
     assert update_difference(in_shard, reference["sequence_level"], start) > 0.05
     assert in_shard["loss"] != pytest.approx(reference["sequence_level"]["loss"], rel=1e-3)
     # Every rank counting the whole pack's weight doubles the denominator: half the true step.
-    whole = results["token_level:whole_pack_weights"]
+    whole = outcome(results, "ddp/token_level:whole_pack_weights")
     assert update_ratio(whole, reference["token_level"], start) == pytest.approx(0.5, rel=1e-5)
     assert whole["loss"] == pytest.approx(reference["token_level"]["loss"] / 2, rel=FLOAT32_BOUND)
 
@@ -236,23 +243,8 @@ def test_controls_that_break_the_split_show_it(launched, reference):
 # --- the run as users start it ---------------------------------------------------------------------------
 
 
-@pytest.mark.integration
-@needs_launcher
-@needs_deepspeed
-def test_train_splits_each_pack_over_two_ranks_after_the_preflight(tmp_path):
-    packs = save_packs(tmp_path / "packs", count_packs([[40, 21], [30], [50, 11], [25, 24]]))
-    result = launch(
-        ROOT / "train.py", "--config", str(DEMO), *demo_overrides(tmp_path / "run", packs),
-        "training.sequence_parallel_size=2", "training.max_steps=2", "training.logging_steps=1",
-        "training.save_strategy='no'", "training.disable_tqdm=true", "data.eval_file=''",
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-4000:]
-    rows = {line.split("  ")[0]: line.split() for line in result.stdout.splitlines()}
-    assert rows["sequence parallel"][2:] == ["ok", "all", "2", "ranks", "per", "pack,", "1", "group"]
-    assert rows["first packs"][2:5] == ["ok", "all", "group"]  # one group: both ranks hold the same packs
-    state = json.loads((tmp_path / "run" / "trainer_state.json").read_text())
-    steps = [entry for entry in state["log_history"] if "loss" in entry]
-    assert [entry["packs_per_step"] for entry in steps] == [1, 1]  # each pack counted once, not per rank
+# train.py with each pack split over two ranks after the preflight: tests/test_eval_in_training.py
+# (test_train_splits_each_pack_over_two_ranks_after_the_preflight), on the launch its scoring test makes.
 
 
 @pytest.mark.integration

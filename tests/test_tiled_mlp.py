@@ -26,6 +26,7 @@ from conftest import (
     relative_error,
     tiny_model,
 )
+from sequence_parallel_run import outcome
 from tiled_mlp_run import TILE_TOKENS, one_step
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -165,42 +166,52 @@ def test_a_step_with_tiled_mlps_is_the_step_without(variant):
         assert any("mlp.down_proj.lora_A" in name for name in tiled["update"])  # adapters on the MLP trained
 
 
-def launched(tmp_path, size: int, stage: str, variants: list[str]) -> dict:
-    """``tiled_mlp_run.py`` on 2 CPU ranks: the results of every variant."""
-    out = tmp_path / "results.pt"
-    script = HERE / "tiled_mlp_run.py"
-    result = launch(script, str(out), str(size), stage, *variants, env={"PYTHONPATH": str(HERE)}, timeout=600)
+# Every two-rank case in one launch: DDP with each pack split over both ranks (sequence parallelism 2), each
+# rank tiling its half; then ZeRO-3 with one pack per rank, 51 tokens (7 tiles) on one and 14 (2) on the other.
+SPLIT = ["llama+split", "llama+tiled+split", "llama+tiled+checkpointing+adapters+split"]
+UNEVEN = ["llama+uneven", "llama+tiled+uneven", "llama+tiled+checkpointing+adapters+uneven"]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict:
+    """``tiled_mlp_run.py`` on 2 CPU ranks, launched once: the results of every case, by ``ENGINE/VARIANT``."""
+    out = tmp_path_factory.mktemp("tiled") / "results.pt"
+    cases = [*(f"ddp/{variant}" for variant in SPLIT), *(f"zero3/{variant}" for variant in UNEVEN)]
+    result = launch(HERE / "tiled_mlp_run.py", str(out), *cases, env={"PYTHONPATH": str(HERE)}, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     return torch.load(out)
+
+
+def whole(variant: str) -> str:
+    """The one-process reference of a variant: packs whole, MLPs untiled."""
+    return variant.replace("+tiled", "").replace("+split", "")
 
 
 @pytest.mark.integration
 @needs_launcher
 @needs_deepspeed
-def test_split_packs_with_tiled_mlps_give_the_step_of_the_whole_packs(tmp_path):
+def test_split_packs_with_tiled_mlps_give_the_step_of_the_whole_packs(two_ranks):
     """DDP over 2 ranks, each pack split over both (sequence parallelism 2): each rank tiles its half."""
-    variants = ["llama", "llama+tiled", "llama+tiled+checkpointing+adapters"]
-    results = launched(tmp_path, 2, "none", variants)
-    for variant in variants:
-        want = one_step(variant.replace("+tiled", ""))  # one process, packs whole, MLPs untiled
-        assert relative_error(results[variant]["update"], want["update"]) < FLOAT64_BOUND, variant
-        assert results[variant]["loss"] == pytest.approx(want["loss"], rel=FLOAT32_BOUND)
-    halves = results["llama+tiled"]["mlp_tokens"]
+    for variant in SPLIT:
+        got, want = outcome(two_ranks, f"ddp/{variant}"), one_step(whole(variant))
+        assert relative_error(got["update"], want["update"]) < FLOAT64_BOUND, variant
+        assert got["loss"] == pytest.approx(want["loss"], rel=FLOAT32_BOUND)
+    halves = outcome(two_ranks, "ddp/llama+tiled+split")["mlp_tokens"]
     assert halves == [[18, 17], [18, 17]]  # every rank: its half of the packs of 36 and of 34 tokens
 
 
 @pytest.mark.integration
 @needs_launcher
 @needs_deepspeed
-def test_zero3_ranks_with_different_tile_counts_do_not_wait_on_each_other(tmp_path):
+def test_zero3_ranks_with_different_tile_counts_do_not_wait_on_each_other(two_ranks):
     """ZeRO-3 on 2 ranks, one pack each: 51 tokens (7 tiles) on one, 14 (2 tiles) on the other."""
-    variants = ["llama+uneven", "llama+tiled+uneven", "llama+tiled+checkpointing+adapters+uneven"]
-    results = launched(tmp_path, 1, "3", variants)
-    tokens = sorted(calls[0] for calls in results["llama+tiled+uneven"]["mlp_tokens"])
+    tokens = sorted(calls[0] for calls in outcome(two_ranks, "zero3/llama+tiled+uneven")["mlp_tokens"])
     assert [tile_count(n, TINY["hidden_size"], TILE_TOKENS) for n in tokens] == [2, 7]
-    tiled, dense = results["llama+tiled+uneven"], results["llama+uneven"]
+    tiled, dense = outcome(two_ranks, "zero3/llama+tiled+uneven"), outcome(two_ranks, "zero3/llama+uneven")
     assert relative_error(tiled["update"], dense["update"]) < FLOAT64_BOUND
     # Against one process without ZeRO: ZeRO-3 itself moves the update by about 2e-7, tiled or not.
-    for variant in variants:
-        want = one_step(variant.replace("+tiled", ""))
-        assert relative_error(results[variant]["update"], want["update"]) < FLOAT32_BOUND, variant
+    for variant in UNEVEN:
+        want = one_step(whole(variant))
+        assert relative_error(two_ranks[f"zero3/{variant}"]["update"], want["update"]) < FLOAT32_BOUND, (
+            variant
+        )

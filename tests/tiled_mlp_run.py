@@ -1,20 +1,22 @@
 """One optimizer step of LongAlignTrainer in float64, with the MLPs tiled or not; writes what the step did.
 
-Imported by tests/test_tiled_mlp.py and tests/test_offload.py for one process, and run under
-``accelerate launch`` for the multi-rank cases, every variant of a launch in one process:
+Imported by tests/test_tiled_mlp.py, tests/test_offload.py and tests/test_attention_kernels.py for one
+process, and run under ``accelerate launch`` for the multi-rank cases, every case of a launch in one process:
 
-    accelerate launch --multi_gpu --num_processes 2 tests/tiled_mlp_run.py OUT.pt SIZE ZERO_STAGE VARIANT...
+    accelerate launch --multi_gpu --num_processes 2 tests/tiled_mlp_run.py OUT.pt ENGINE/VARIANT...
 
-``SIZE`` is the sequence-parallel size, ``ZERO_STAGE`` ``none`` (DDP) or a DeepSpeed ZeRO stage. A variant
-is a model family with switches, ``FAMILY[+tiled][+checkpointing][+offload][+adapters][+uneven]
-[+bf16][+flash_attn|+torch_varlen]``: ``tiled`` runs the MLPs in tiles of :data:`TILE_TOKENS` tokens,
-``checkpointing`` turns activation checkpointing on, ``offload`` keeps its inputs in host memory,
-``adapters`` trains LoRA adapters on every projection (:data:`ADAPTERS`), ``uneven`` trains on two packs
-of very different lengths, one per rank; ``bf16`` trains float32 weights in bf16 mixed precision (autocast)
-instead of float64, and ``flash_attn`` / ``torch_varlen`` run that attention backend through its kernel's
-real Python layer on CPU (``kernel_standins.py``; they need ``bf16``), ``sdpa_segments`` otherwise. For each variant rank 0 writes the update of one plain SGD step (learning rate 1, no clipping:
-the gradient the engine applied) to every trained parameter, the step's loss, and the token count of
-every call of the first layer's MLP on every rank.
+``ENGINE`` is ``ddp`` or ``zero<STAGE>`` (DeepSpeed ZeRO), the DDP cases first (as in
+``sequence_parallel_run.py``). A variant is a model family with switches, ``FAMILY[+tiled][+checkpointing]
+[+offload][+adapters][+uneven][+split][+bf16][+flash_attn|+torch_varlen]``: ``tiled`` runs the MLPs in
+tiles of :data:`TILE_TOKENS` tokens, ``checkpointing`` turns activation checkpointing on, ``offload`` keeps
+its inputs in host memory, ``adapters`` trains LoRA adapters on every projection (:data:`ADAPTERS`),
+``uneven`` trains on two packs of very different lengths, one per rank; ``split`` splits every pack over all
+ranks (sequence parallelism); ``bf16`` trains float32 weights in bf16 mixed precision (autocast) instead of
+float64, and ``flash_attn`` / ``torch_varlen`` run that attention backend through its kernel's real Python
+layer on CPU (``kernel_standins.py``; they need ``bf16``), ``sdpa_segments`` otherwise. For each case rank
+0 writes, under ``ENGINE/VARIANT``, the update of one plain SGD step (learning rate 1, no clipping: the
+gradient the engine applied) to every trained parameter, the step's loss, and the token count of every
+call of the first layer's MLP on every rank.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 from conftest import pack_row, tiny_model
 from invariance_run import samples
 from kernel_standins import STOOD_IN, kernels_on_cpu
-from sequence_parallel_run import deepspeed_on_cpu, parameters, sgd_step_arguments
+from sequence_parallel_run import deepspeed_on_cpu, parameters, run_variants, sgd_step_arguments
 
 import longalign.patch
 from longalign.config import LoraConfig
@@ -40,7 +42,7 @@ TILE_TOKENS = 8  # 2 to 7 tiles per micro-batch of these packs (and of their hal
 # Adapters on every projection, the MLP's included; the norms train whole. No dropout: tiles draw their
 # masks tile by tile, so a tiled step with dropout is a different draw, not a different gradient.
 ADAPTERS = LoraConfig(r=4, alpha=8.0, trainable=["norms"])
-SWITCHES = ("tiled", "checkpointing", "offload", "adapters", "uneven", "bf16", *STOOD_IN)
+SWITCHES = ("tiled", "checkpointing", "offload", "adapters", "uneven", "split", "bf16", *STOOD_IN)
 
 
 def parse(variant: str) -> tuple[str, set[str]]:
@@ -78,10 +80,11 @@ def model(family: str, switches: set[str], size: int) -> torch.nn.Module:
     return adapted
 
 
-def one_step(variant: str, *, size: int = 1, zero_stage: int | None = None) -> dict:
+def one_step(variant: str, *, zero_stage: int | None = None) -> dict:
     """The update of one step over all packs, the step's loss, and the tokens of each MLP call."""
     family, switches = parse(variant)
     world_size = int(os.environ.get("WORLD_SIZE", 1))
+    size = world_size if "split" in switches else 1
     data = packs("uneven" in switches)
     if zero_stage is not None:
         deepspeed_on_cpu()
@@ -135,9 +138,8 @@ def gathered(values: list[int]) -> list[list[int]]:
 
 
 if __name__ == "__main__":
-    path, size, stage, *variants = sys.argv[1:]
-    zero_stage = None if stage == "none" else int(stage)
-    results = {variant: one_step(variant, size=int(size), zero_stage=zero_stage) for variant in variants}
+    path, *variants = sys.argv[1:]
+    results = run_variants(one_step, variants)
     if torch.distributed.get_rank() == 0:
         torch.save(results, path)
     close()
