@@ -247,9 +247,7 @@ def test_sequence_parallel_2_with_flash_attn_trains_the_one_rank_step(tmp_path):
         got, want = outcome(results, case), one_step(variant)  # want: one process, packs whole
         assert worst_parameter_error(got["update"], want["update"]) <= STEP_BOUND, variant
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-4), variant
-    halves = outcome(results, cases[1])[
-        "mlp_tokens"
-    ]  # forward and recompute: each rank ran its half of the packs
+    halves = outcome(results, cases[1])["mlp_tokens"]  # forward and recompute, on each rank its half
     assert [sorted(set(calls)) for calls in halves] == [[17, 18], [17, 18]]
 
 
