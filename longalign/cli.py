@@ -20,6 +20,7 @@ prints is its result.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Callable
@@ -70,7 +71,15 @@ def script(name: str) -> int:
     return _run(prog, command, parser.parse_args(sys.argv[1:]))
 
 
+# bitsandbytes (which peft imports when it is installed) logs at import, on CPUs with AVX512-BF16, that it
+# could not fetch an optional CPU kernel from the Hugging Face Hub; its own kernel then runs, with the same
+# results. Shown, that line would open every command's output, one-line errors included.
+QUIET_LOGGERS = ("bitsandbytes.backends.cpu.ops",)
+
+
 def _run(prog: str, command: Command, args: argparse.Namespace) -> int:
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
     try:
         return command.run(args)
     except LongAlignError as err:
