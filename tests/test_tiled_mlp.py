@@ -208,8 +208,9 @@ def test_zero3_ranks_with_different_tile_counts_do_not_wait_on_each_other(two_ra
     tokens = sorted(calls[0] for calls in outcome(two_ranks, "zero3/llama+tiled+uneven")["mlp_tokens"])
     assert [tile_count(n, TINY["hidden_size"], TILE_TOKENS) for n in tokens] == [2, 7]
     tiled, dense = outcome(two_ranks, "zero3/llama+tiled+uneven"), outcome(two_ranks, "zero3/llama+uneven")
-    assert relative_error(tiled["update"], dense["update"]) < FLOAT64_BOUND
-    # Against one process without ZeRO: ZeRO-3 itself moves the update by about 2e-7, tiled or not.
+    # ZeRO-3 partitions float32 parameters at most: the tiles' summed weight gradients round as float32 does.
+    assert relative_error(tiled["update"], dense["update"]) < FLOAT32_BOUND
+    # Against one process without ZeRO, in float64: float32 and ZeRO-3 move the update, tiled or not.
     for variant in UNEVEN:
         want = one_step(whole(variant))
         assert relative_error(two_ranks[f"zero3/{variant}"]["update"], want["update"]) < FLOAT32_BOUND, (

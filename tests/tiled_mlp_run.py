@@ -1,4 +1,4 @@
-"""One optimizer step of LongAlignTrainer in float64, with the MLPs tiled or not; writes what the step did.
+"""One optimizer step of LongAlignTrainer in float64 (float32 under ZeRO-3), MLPs tiled or not; what the step did.
 
 Imported by tests/test_tiled_mlp.py, tests/test_offload.py and tests/test_attention_kernels.py for one
 process, and run under ``accelerate launch`` for the multi-rank cases, every case of a launch in one process:
@@ -60,11 +60,11 @@ def packs(uneven: bool) -> datasets.Dataset:
     return datasets.Dataset.from_list([pack_row(group) for group in groups])
 
 
-def model(family: str, switches: set[str], size: int) -> torch.nn.Module:
-    """The family's tiny model in float64 (float32 for ``bf16``), patched as the variant says."""
+def model(family: str, switches: set[str], size: int, *, float32: bool = False) -> torch.nn.Module:
+    """The family's tiny model in float64 (float32 for ``bf16`` and ``float32``), patched as the variant says."""
     backend = next((STOOD_IN[name] for name in STOOD_IN if name in switches), "sdpa_segments")
     base = tiny_model(family, backend=backend, sequence_parallel_size=size)
-    base = base.float() if "bf16" in switches else base.double()
+    base = base.float() if float32 or "bf16" in switches else base.double()
     if "tiled" in switches:
         longalign.patch.tile_mlp(base, tile_tokens=TILE_TOKENS)
     if "offload" in switches:
@@ -76,7 +76,9 @@ def model(family: str, switches: set[str], size: int) -> torch.nn.Module:
     with torch.no_grad():  # B random: at peft's zero, A's gradient would be zero
         for name, param in adapted.named_parameters():
             if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.1)
+                param.copy_(
+                    torch.randn(param.shape, generator=generator, dtype=torch.float64).to(param.dtype) * 0.1
+                )
     return adapted
 
 
@@ -100,7 +102,8 @@ def one_step(variant: str, *, zero_stage: int | None = None) -> dict:
             bf16="bf16" in switches,
         )
         # After the arguments, as the run loads its model: under ZeRO-3 the tiled MLPs become leaf modules.
-        trained = model(family, switches, size)
+        # DeepSpeed's ZeRO-3 (0.19.8) partitions float16, bfloat16 and float32 parameters only.
+        trained = model(family, switches, size, float32=zero_stage == 3)
         start = {name: p.detach().clone() for name, p in trained.named_parameters() if p.requires_grad}
         tokens: list[int] = []
         hook = first_mlp(trained).register_forward_pre_hook(
