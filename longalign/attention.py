@@ -111,7 +111,7 @@ def varlen_attention(
     if window is not None and window < 1:
         raise ValueError(f"window must be a positive number of tokens, got {window}")
     name = resolve_backend(q.device, q.dtype, window=window, dropout=dropout, backend=backend)
-    cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()  # as the kernels take it
     return _BACKEND_FUNCTIONS[name](q, k, v, cu_seqlens, int(max_seqlen), causal, scale, dropout, window)
 
 

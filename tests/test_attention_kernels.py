@@ -99,7 +99,8 @@ def test_a_sample_attends_only_to_itself(kernel):
 def test_longalign_hands_the_kernel_int32_cu_seqlens_whatever_it_is_given(kernel):
     backend = STOOD_IN[kernel]
     q, k, v, cu_seqlens = pack([3, 6], 4, 2)
-    for given in (cu_seqlens.long(), cu_seqlens.long()[::1], cu_seqlens.tolist()):
+    strided = torch.tensor([0, -1, 3, -1, 9], dtype=torch.int32)[::2]  # a view, not contiguous
+    for given in (cu_seqlens.long(), strided, cu_seqlens.tolist()):
         given = torch.as_tensor(given)
         torch.testing.assert_close(
             varlen_attention(q, k, v, given, 6, backend=backend),
