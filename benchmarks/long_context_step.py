@@ -13,19 +13,16 @@ import argparse
 import json
 import os
 import time
-import weakref
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from transformers import TrainerCallback
 
 import longalign.patch.offload
 from longalign.config import load_config
 from longalign.probe_step import probe_overrides
 from longalign.run import build_trainer, close
+from longalign.tensor_memory import CopiesToHost, LiveTensors
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKPOINTING = ["training.activation_checkpointing=true"]
@@ -41,74 +38,6 @@ VARIANTS = {
     ],
 }
 RANKS = {"+ SP 2, per rank": 2}
-
-
-class LiveTensors(TorchDispatchMode):
-    """Bytes of tensor storage that operations allocate while the mode is on: now, and at most.
-
-    A storage is counted once (views and in-place results share it) from the operation that made it
-    until it is freed; storages moved to ``host`` (:meth:`to_host`) count there instead::
-
-        with LiveTensors() as live:
-            a = torch.empty(1024)   # live.device 4096
-            b = a[:10]              # a view: still 4096
-            del a, b                # 0; live.peak stays 4096
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.device = self.host = self.peak = self.host_peak = 0
-        self._sizes: dict[int, tuple[int, bool]] = {}  # id(storage) -> (bytes, on the host)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":
-                self._account(leaf.untyped_storage())
-        return out
-
-    def to_host(self, tensor: torch.Tensor) -> None:
-        """Count ``tensor``'s storage as host memory from now on (if it was made while the mode is on)."""
-        size, on_host = self._sizes.get(id(tensor.untyped_storage()), (0, True))
-        if not on_host:
-            self._sizes[id(tensor.untyped_storage())] = (size, True)
-            self._add(-size, False)
-            self._add(size, True)
-
-    def _account(self, storage: torch.UntypedStorage) -> None:
-        key, size = id(storage), storage.nbytes()
-        if key in self._sizes:  # an operation that wrote into it may have resized it
-            known, on_host = self._sizes[key]
-            self._sizes[key] = (size, on_host)
-            self._add(size - known, on_host)
-            return
-        self._sizes[key] = (size, False)
-        self._add(size, False)
-        weakref.finalize(storage, self._free, key)
-
-    def _free(self, key: int) -> None:
-        size, on_host = self._sizes.pop(key)
-        self._add(-size, on_host)
-
-    def _add(self, size: int, on_host: bool) -> None:
-        if on_host:
-            self.host += size
-            self.host_peak = max(self.host_peak, self.host)
-        else:
-            self.device += size
-            self.peak = max(self.peak, self.device)
-
-
-class CopiesToHost(torch.autograd.graph.saved_tensors_hooks):
-    """What the offload hooks do on a GPU, on CPU: a copy out at the forward, a copy back at the backward."""
-
-    def __init__(self, live: LiveTensors) -> None:
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
-            host = tensor.clone()
-            live.to_host(host)
-            return host
-
-        super().__init__(pack, torch.clone)
 
 
 class StepMeter(TrainerCallback):

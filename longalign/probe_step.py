@@ -27,9 +27,11 @@ from typing import Any, NoReturn
 import torch
 from transformers import Trainer, TrainerCallback
 
+import longalign.patch.offload as offload
 from longalign.artifacts import write_json
 from longalign.config import Config, load_config
 from longalign.run import build_trainer, parameter_sizes
+from longalign.tensor_memory import CopiesToHost, LiveTensors
 
 FITS = "fits"
 OUT_OF_MEMORY = "out of memory"
@@ -61,22 +63,53 @@ def probe_overrides(length: int, *, train_file: str | Path, output_dir: str | Pa
 
 
 class StepMeter(TrainerCallback):
-    """Times the last optimizer step and notes the memory in use just before it starts."""
+    """Times the last optimizer step and notes the memory in use just before it starts.
 
-    def __init__(self, device: torch.device) -> None:
+    With ``count`` (CPU steps) it also counts the step's tensors (``longalign.tensor_memory.LiveTensors``,
+    the counter the simulation counts its fake steps with): the weights, buffers and optimizer states held
+    as the step begins, the batch as the step takes it, and every tensor the step allocates, with the
+    offload's copies counted as host memory, as on a GPU.
+    """
+
+    def __init__(self, device: torch.device, *, count: bool = False) -> None:
         self.device = device
+        self.count = count
+        self.live: LiveTensors | None = None
+        self.counting = False
         self.start = 0.0
         self.seconds: float | None = None
         self.start_bytes: int | None = None
+        self._hooks = offload.host_memory_hooks
 
-    def on_step_begin(self, args, state, control, **kwargs):
+    def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self.start_bytes = current_memory(self.device)
+        if self.count:
+            live = self.live = LiveTensors()
+            live.__enter__()
+            live.track(model.parameters(), "weights")
+            live.track(model.buffers(), "weights")
+            states = getattr(optimizer, "optimizer", optimizer).state.values()
+            live.track(
+                (t for s in states for t in s.values() if isinstance(t, torch.Tensor)), "optimizer states"
+            )
+            live.watch_gradients(model.parameters())
+            offload.host_memory_hooks = lambda: CopiesToHost(live)
+            self.counting = True
         self.start = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.seconds = time.perf_counter() - self.start
+        if self.counting:
+            self.counting = False
+            self.live.__exit__(None, None, None)
+            offload.host_memory_hooks = self._hooks
+
+    def counted(self, inputs: Any) -> None:
+        """Count the batch's tensors as the step takes them (the trainer's ``_prepare_inputs``)."""
+        if self.counting:
+            self.live.track((t for t in inputs.values() if isinstance(t, torch.Tensor)), "activations")
 
 
 def current_memory(device: torch.device) -> int | None:
@@ -113,12 +146,22 @@ def measure_steps(trainer: Trainer) -> dict[str, Any]:
 
     ``peak_bytes`` covers the whole process (model load included), ``step_start_bytes`` is what the
     last step starts with (weights, optimizer states), ``step_seconds`` is that step's time;
+    ``tensor_peak_bytes`` (CPU) the counted peak of the last step's tensors, by part in
+    ``tensor_peak_parts``, and ``host_tensor_peak_bytes`` the offloaded inputs it held in host memory;
     ``model_sizes`` are the model's parameters as the engine left them (dtype, full sizes of ZeRO-3
     shards: ``longalign.run.parameter_sizes``), for the probe's plan.
     """
     device = trainer.args.device
-    meter = StepMeter(device)
+    meter = StepMeter(device, count=device.type == "cpu")
     trainer.add_callback(meter)
+    prepare = trainer._prepare_inputs
+
+    def prepare_counted(inputs):
+        prepared = prepare(inputs)
+        meter.counted(prepared)
+        return prepared
+
+    trainer._prepare_inputs = prepare_counted
     trainer.train()
     measured = {
         "device": str(device),
@@ -127,6 +170,12 @@ def measure_steps(trainer: Trainer) -> dict[str, Any]:
         "step_seconds": meter.seconds,
         "model_sizes": parameter_sizes(trainer.model),
     }
+    if meter.live is not None:
+        measured.update(
+            tensor_peak_bytes=meter.live.peak,
+            tensor_peak_parts=meter.live.peak_parts,
+            host_tensor_peak_bytes=meter.live.host_peak,
+        )
     if device.type == "cuda":
         measured["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
     return measured
