@@ -280,6 +280,57 @@ def _probe_arguments(parser: argparse.ArgumentParser) -> None:
         "--gpu-memory",
         help="memory of each planned GPU, e.g. 80GiB (default: --max-memory, or the CUDA device's)",
     )
+    parser.add_argument(
+        "--simulate",
+        action="store_true",
+        help="count one step of the run at each length on this CPU, on fake tensors (nothing computed), "
+        "instead of running steps: the peak per GPU by part and the host memory per node",
+    )
+    parser.add_argument("--host-memory", help="with --simulate: host memory of each node, e.g. 2TiB")
+    parser.add_argument(
+        "--kernel",
+        help="with --simulate: the attention kernel to stand in for (flash_attn_2, flash_attn_3, "
+        "torch_varlen, sdpa_segments; default: the one model.attn_backend runs on a GPU)",
+    )
+    parser.add_argument(
+        "--accelerate-config",
+        type=Path,
+        help="with --simulate: the accelerate config the run is launched with (its DeepSpeed or FSDP "
+        "settings, and its num_processes as the default --gpus)",
+    )
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    import os
+
+    from longalign.arguments import parse_lengths
+    from longalign.artifacts import write_json
+    from longalign.config import load_config
+    from longalign.probe import _deepspeed_config, parse_size, sharding
+    from longalign.simulate import Setup, accelerate_environment, run_simulation
+
+    cfg = load_config(args.config, args.overrides)
+    environ, processes = dict(os.environ), None
+    if args.accelerate_config:
+        launch, processes = accelerate_environment(args.accelerate_config)
+        environ.update(launch)
+    memory = args.gpu_memory or args.max_memory
+    setup = Setup(
+        gpus=args.gpus or processes or cfg.training.sequence_parallel_size,
+        gpu_memory=parse_size(memory) if memory else None,
+        host_memory=parse_size(args.host_memory) if args.host_memory else None,
+        kernel=args.kernel,
+        how=sharding(cfg, environ),
+        deepspeed=_deepspeed_config(cfg.training.args, environ),
+        seed=args.seed,
+    )
+    rows = run_simulation(
+        cfg, parse_lengths(args.lengths), setup, lambda line: print(line, flush=True), source=str(args.config)
+    )
+    write_json(args.output, {"config": str(args.config), "simulated": rows})
+    print(f"wrote {args.output}")
+    fits = [row["fits_gpu"] is not False and row["fits_host"] is not False for row in rows]
+    return 0 if fits and fits[0] else 1
 
 
 def _probe(args: argparse.Namespace) -> int:
@@ -287,6 +338,12 @@ def _probe(args: argparse.Namespace) -> int:
     from longalign.config import load_config
     from longalign.probe import ProbeRequest, ladder, parse_size
 
+    if args.simulate:
+        return _simulate(args)
+    if args.host_memory or args.kernel or args.accelerate_config:
+        raise ConfigError(
+            "--host-memory, --kernel and --accelerate-config describe a simulation: add --simulate"
+        )
     if (args.gpus or args.gpu_memory) and not args.plan:
         raise ConfigError("--gpus and --gpu-memory describe the GPUs of a plan: add --plan LENGTHS")
     request = ProbeRequest(
@@ -434,7 +491,11 @@ COMMANDS = {
         "--compare-full runs each length that fits again as full fine-tuning and shows the memory saved.\n"
         "--plan 512k,1m predicts the peak per GPU at longer lengths (--gpus N of --gpu-memory SIZE): the\n"
         "weights, gradients and optimizer states as ZeRO or FSDP and offload place them, plus the memory per\n"
-        "token fitted from the two longest measured lengths below each; one that was measured shows both.\n\n"
+        "token fitted from the two longest measured lengths below each; one that was measured shows both.\n"
+        "--simulate counts one step of the run at each length on this CPU instead, on fake tensors (the\n"
+        "model from its config alone, a stand-in for the GPU attention kernel, ZeRO/FSDP and offload as\n"
+        "--accelerate-config sets them), in seconds at any length: the peak per GPU by part, the host\n"
+        "memory per node, and whether both fit --gpu-memory and --host-memory.\n\n"
         "Exit status: 0 when at least the smallest length fits, 1 when none does, 2 for bad arguments.",
         _probe_arguments,
         _probe,

@@ -76,6 +76,7 @@ class StepMeter(TrainerCallback):
         self.count = count
         self.live: LiveTensors | None = None
         self.counting = False
+        self.counted_steps: list[dict[str, int]] = []  # each step's tokens and counted peaks
         self.start = 0.0
         self.seconds: float | None = None
         self.start_bytes: int | None = None
@@ -104,12 +105,18 @@ class StepMeter(TrainerCallback):
         if self.counting:
             self.counting = False
             self.live.__exit__(None, None, None)
+            self.counted_steps[-1].update(
+                peak_bytes=self.live.peak,
+                activations_peak_bytes=self.live.part_peaks["activations"],
+                host_bytes=self.live.host_peak,
+            )
             offload.host_memory_hooks = self._hooks
 
     def counted(self, inputs: Any) -> None:
         """Count the batch's tensors as the step takes them (the trainer's ``_prepare_inputs``)."""
         if self.counting:
             self.live.track((t for t in inputs.values() if isinstance(t, torch.Tensor)), "activations")
+            self.counted_steps.append({"tokens": inputs["input_ids"].shape[-1]})
 
 
 def current_memory(device: torch.device) -> int | None:
@@ -147,7 +154,8 @@ def measure_steps(trainer: Trainer) -> dict[str, Any]:
     ``peak_bytes`` covers the whole process (model load included), ``step_start_bytes`` is what the
     last step starts with (weights, optimizer states), ``step_seconds`` is that step's time;
     ``tensor_peak_bytes`` (CPU) the counted peak of the last step's tensors, by part in
-    ``tensor_peak_parts``, and ``host_tensor_peak_bytes`` the offloaded inputs it held in host memory;
+    ``tensor_peak_parts``, and ``host_tensor_peak_bytes`` the offloaded inputs it held in host memory
+    (``counted_steps``: every step's tokens and counted peaks);
     ``model_sizes`` are the model's parameters as the engine left them (dtype, full sizes of ZeRO-3
     shards: ``longalign.run.parameter_sizes``), for the probe's plan.
     """
@@ -175,6 +183,7 @@ def measure_steps(trainer: Trainer) -> dict[str, Any]:
             tensor_peak_bytes=meter.live.peak,
             tensor_peak_parts=meter.live.peak_parts,
             host_tensor_peak_bytes=meter.live.host_peak,
+            counted_steps=meter.counted_steps,
         )
     if device.type == "cuda":
         measured["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)

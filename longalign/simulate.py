@@ -559,6 +559,18 @@ def simulate_lengths(cfg, lengths: list[int], setup: Setup) -> list[dict[str, An
     with fake_process_group(split):
         fake_mode = _fake_mode()
         model, read_head, args = build_model(cfg, layers=counted_layers, fake_mode=fake_mode)
+
+        def measure(batch):
+            return counted_step(
+                model,
+                read_head,
+                args,
+                batch,
+                chunk_size=cfg.loss.chunk_size,
+                kernel=kernel,
+                fake_mode=fake_mode,
+            )
+
         sizes = _full_sizes(cfg, model, counted_layers, depth, parameter_sizes)
         layer_bytes = _layer_bytes(model)
         largest = _largest_module_bytes(model)
@@ -566,15 +578,14 @@ def simulate_lengths(cfg, lengths: list[int], setup: Setup) -> list[dict[str, An
         window = getattr(text, "max_position_embeddings", None)
         for length in lengths:
             batch = _batch(cfg, length, text.vocab_size, window, setup.seed)
-            step = dict(chunk_size=cfg.loss.chunk_size, kernel=kernel, fake_mode=fake_mode)
-            high = counted_step(model, read_head, args, batch, **step)
+            high = measure(batch)
             if counted_layers < depth:
                 layers = _decoder_layers(model)
                 last = layers[-1]
                 del layers[-1]
                 _set_layers(model, counted_layers - 1)
                 try:
-                    low = counted_step(model, read_head, args, batch, **step)
+                    low = measure(batch)
                 finally:
                     layers.append(last)
                     _set_layers(model, counted_layers)
@@ -688,6 +699,7 @@ def placed(
         "host_per_node": host,
         "activation_bytes_per_token_per_hidden": parts["activations"] / tokens_per_gpu / hidden,
         "counted_peak": counted.peak,
+        "counted_activations_peak": counted.part_peaks["activations"],
         "seconds": counted.seconds,
         "fits_gpu": None if setup.gpu_memory is None else peak <= setup.gpu_memory,
         "fits_host": None if setup.host_memory is None else host <= setup.host_memory,

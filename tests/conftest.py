@@ -415,3 +415,30 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if report:
         terminalreporter.write_sep("-", "commands in README.md and docs/")
         terminalreporter.write_line(report)
+
+
+def counted_real_steps(work: Path, lengths: list[int], overrides: list[str], *, key: str = "peak_bytes"):
+    """The CPU probe's counted peak (``tensor_peak_bytes``) of real steps of the demo run at each of ``lengths``,
+    all in one run, and the run's config: a pack of each length twice, in the sampler's order, and for each
+    length the least peak (``key``: of all parts, or of ``activations_peak_bytes``) of its steps after the first. The first step makes the optimizer's states; under
+    DDP the second also rebuilds DDP's gradient buckets in the order the gradients came, which the counter
+    sees as new memory (the old buckets existed before it counted)."""
+    from longalign.config import load_config
+    from longalign.probe import synthetic_pack
+    from longalign.probe_step import measure_steps, probe_overrides
+    from longalign.run import build_trainer, close, release
+
+    packs = [synthetic_pack(length, vocab_size=4096, longest=max(lengths)) for length in lengths] * 2
+    datasets.Dataset.from_list(packs).save_to_disk(str(work / "packs"))
+    settings = probe_overrides(max(lengths), train_file=work / "packs", output_dir=work / "run")
+    settings += [f"training.max_steps={len(packs)}", f"model.tokenizer='{TOKENIZER}'", *overrides]
+    cfg = load_config(DEMO, settings)
+    trainer = build_trainer(cfg)
+    try:
+        steps = measure_steps(trainer)["counted_steps"][1:]
+    finally:
+        release(trainer)
+        close()
+    split = cfg.training.sequence_parallel_size
+    peaks = {length: min(s[key] for s in steps if s["tokens"] * split == length) for length in lengths}
+    return peaks, cfg
