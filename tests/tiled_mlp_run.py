@@ -22,6 +22,7 @@ call of the first layer's MLP on every rank.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import tempfile
@@ -128,6 +129,12 @@ def one_step(variant: str, *, zero_stage: int | None = None) -> dict:
         release(trainer)
     update = {name: start[name] - params[name] for name in start}
     return {"update": update, "loss": loss, "mlp_tokens": gathered(tokens)}
+
+
+@functools.cache
+def reference_step(variant: str) -> dict:
+    """``one_step(variant)``, run once per process: the untiled step that several tests compare with."""
+    return one_step(variant)
 
 
 def first_mlp(model: torch.nn.Module) -> torch.nn.Module:
