@@ -6,7 +6,7 @@ recomputes the tiles, and the refusals; then one optimizer step of the real trai
 against the same step without (Llama, GLM-4 and Qwen3; activation checkpointing on and off; full
 fine-tuning and LoRA). The launched ones run the same comparison with each pack split over 2 ranks
 (DDP, sequence parallelism 2) and under ZeRO-3 with one rank holding about a quarter of the other's
-tokens, and so fewer tiles (``tiled_mlp_run.py``).
+tokens, and so fewer tiles (``tiled_mlp_run.py``); a case of tiled decoder layers rides along in each.
 """
 
 from __future__ import annotations
@@ -168,8 +168,19 @@ def test_a_step_with_tiled_mlps_is_the_step_without(variant):
 
 # Every two-rank case in one launch: DDP with each pack split over both ranks (sequence parallelism 2), each
 # rank tiling its half; then ZeRO-3 with one pack per rank, 51 tokens (7 tiles) on one and 14 (2) on the other.
-SPLIT = ["llama+split", "llama+tiled+split", "llama+tiled+checkpointing+adapters+split"]
-UNEVEN = ["llama+uneven", "llama+tiled+uneven", "llama+tiled+checkpointing+adapters+uneven"]
+# The tiled decoder layer (tests/test_tiled_layer.py) rides along: one case of each.
+SPLIT = [
+    "llama+split",
+    "llama+tiled+split",
+    "llama+tiled+checkpointing+adapters+split",
+    "llama+layer+checkpointing+adapters+split",
+]
+UNEVEN = [
+    "llama+uneven",
+    "llama+tiled+uneven",
+    "llama+tiled+checkpointing+adapters+uneven",
+    "llama+layer+checkpointing+adapters+uneven",
+]
 
 
 @pytest.fixture(scope="module")
@@ -183,8 +194,8 @@ def two_ranks(tmp_path_factory) -> dict:
 
 
 def whole(variant: str) -> str:
-    """The one-process reference of a variant: packs whole, MLPs untiled."""
-    return variant.replace("+tiled", "").replace("+split", "")
+    """The one-process reference of a variant: packs whole, MLPs and layers untiled."""
+    return variant.replace("+tiled", "").replace("+layer", "").replace("+split", "")
 
 
 @pytest.mark.integration
@@ -198,6 +209,8 @@ def test_split_packs_with_tiled_mlps_give_the_step_of_the_whole_packs(two_ranks)
         assert got["loss"] == pytest.approx(want["loss"], rel=FLOAT32_BOUND)
     halves = outcome(two_ranks, "ddp/llama+tiled+split")["mlp_tokens"]
     assert halves == [[18, 17], [18, 17]]  # every rank: its half of the packs of 36 and of 34 tokens
+    tiles = outcome(two_ranks, "ddp/llama+layer+checkpointing+adapters+split")["mlp_tokens"]
+    assert [max(calls) for calls in tiles] == [6, 6]  # tiled layers: 3 tiles of each half
 
 
 @pytest.mark.integration
@@ -207,6 +220,9 @@ def test_zero3_ranks_with_different_tile_counts_do_not_wait_on_each_other(two_ra
     """ZeRO-3 on 2 ranks, one pack each: 51 tokens (7 tiles) on one, 14 (2 tiles) on the other."""
     tokens = sorted(calls[0] for calls in outcome(two_ranks, "zero3/llama+tiled+uneven")["mlp_tokens"])
     assert [tile_count(n, TINY["hidden_size"], TILE_TOKENS) for n in tokens] == [2, 7]
+    # Tiled layers, checkpointed: each rank's MLP ran its tiles in forward, recompute, and backward.
+    layer_tiles = outcome(two_ranks, "zero3/llama+layer+checkpointing+adapters+uneven")["mlp_tokens"]
+    assert sorted(len(calls) for calls in layer_tiles) == [3 * 2, 3 * 7]
     tiled, dense = outcome(two_ranks, "zero3/llama+tiled+uneven"), outcome(two_ranks, "zero3/llama+uneven")
     # ZeRO-3 partitions float32 parameters at most: the tiles' summed weight gradients round as float32 does.
     assert relative_error(tiled["update"], dense["update"]) < FLOAT32_BOUND
