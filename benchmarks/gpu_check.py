@@ -22,9 +22,9 @@ Without CUDA it says so in one line and exits 2, before building anything. With 
    packed samples with a dense ``[T, T]`` mask built from ``position_ids``, is the last row;
 6. long-context ladder: two Llama-3.1-8B-shaped layers (hidden 4096, MLP 14336, 32 heads and 8 KV heads
    of 128, vocabulary 128,256, its RoPE; random weights, bf16, attention ``auto``: flash-attn, else
-   PyTorch's varlen kernel) trained by the run's own trainer with ``[training] tiled_mlp`` and
-   ``offload_activations`` on (and checkpointing, the chunked loss, AdamW), on the probe's synthetic
-   pack at each ladder length (64k to 512k tokens by default). Per length: the second step's time, the
+   PyTorch's varlen kernel) trained by the run's own trainer with ``[training] offload_activations`` on
+   (and checkpointing, the chunked loss, AdamW), on the probe's synthetic pack at each ladder length (64k
+   to 512k tokens by default); twice, with ``sequence_tiling = "mlp"`` and with ``"layer"``. Per length: the second step's time, the
    peak GPU memory (``max_memory_allocated``), its growth per token from the length before, the peak
    predicted from the two lengths before (the probe's ``--plan``: linear in the tokens) and its error,
    and the pinned host memory the offload held per token and layer. With the inputs offloaded, what grows
@@ -86,12 +86,19 @@ LLAMA_31_8B_LAYERS = {
     "eos_token_id": 128001,
     "pad_token_id": 128001,
 }
-LONG_CONTEXT = [
-    "training.activation_checkpointing=true",
-    "training.tiled_mlp=true",
-    "training.offload_activations=true",
-    "loss.chunk_size=4096",
-]
+# The ladder runs once per level of sequence tiling: the MLP alone, then every token-wise part of the layer.
+TILINGS = {"tiled MLP": "mlp", "tiled layer": "layer"}
+
+
+def long_context(tiling: str) -> list[str]:
+    """The ladder's run-file settings with ``[training] sequence_tiling = tiling``."""
+    return [
+        "training.activation_checkpointing=true",
+        f"training.sequence_tiling={tiling}",
+        "training.offload_activations=true",
+        "loss.chunk_size=4096",
+    ]
+
 
 GPU_BACKENDS = ("flash_attn", "flash_attn_cute", "torch_varlen")
 OUTPUT_SLACK, GRAD_SLACK, FLOOR = 2.0, 3.0, 1e-3
@@ -476,7 +483,12 @@ def main() -> int:
     }
     qlora = qlora_step(small, on_gpu)
     speed = throughput(device, runnable, args.tokens, args.steps)
-    rungs = long_context_ladder(ladder, LLAMA_31_8B_LAYERS, [*LONG_CONTEXT, *on_gpu])
+    ladders = {
+        f"long-context ladder, {name}": long_context_ladder(
+            ladder, LLAMA_31_8B_LAYERS, [*long_context(tiling), *on_gpu]
+        )
+        for name, tiling in TILINGS.items()
+    }
     ok = kernels_ok and step_ok and "error" not in qlora
     report = {
         "device": f"{name}, compute capability {capability[0]}.{capability[1]}",
@@ -489,7 +501,7 @@ def main() -> int:
             "training step against sdpa_segments": steps,
             "QLoRA step": qlora,
             "throughput": speed,
-            "long-context ladder": rungs,
+            **ladders,
         },
     }
     json_path, markdown_path = write_report(report, args.report)

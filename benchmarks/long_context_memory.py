@@ -1,5 +1,5 @@
 """Long context on CPU: a step's memory per token and time with checkpointing alone, + the tiled MLP,
-+ offloaded checkpointed inputs, + each pack split over 2 ranks.
++ offloaded checkpointed inputs, + the whole layer tiled, + each pack split over 2 ranks.
 
     python benchmarks/long_context_memory.py [--lengths 16k,32k,64k] [--hidden 128] [--layers 4]
 
@@ -12,8 +12,10 @@ per token does not depend on it), each variant and length in a fresh process, ev
 the one before:
 
 - checkpointing:       ``training.activation_checkpointing = true``
-- + tiled MLP:         ``training.tiled_mlp = true`` (tiles of ``hidden`` tokens: the automatic size)
+- + tiled MLP:         ``training.sequence_tiling = "mlp"`` (tiles of ``hidden`` tokens: the automatic size)
 - + offloaded inputs:  ``training.offload_activations = true``
+- + tiled layer:       ``training.sequence_tiling = "layer"``: every token-wise part of the layer in tiles,
+                       not the MLP alone
 - + SP 2, per rank:    ``training.sequence_parallel_size = 2`` on 2 gloo ranks; the worse rank
 
 Every rank runs one thread (``OMP_NUM_THREADS=1``), as every rank of a GPU run has one GPU: the SP row
@@ -25,7 +27,7 @@ activation or gradient), measured and timed (wall clock). Memory is counted, not
 allocates during the step and subtracts it when the storage is freed, so ``step peak`` is the most
 tensor memory the step held at once beyond what existed before it (the weights), like CUDA's
 ``max_memory_allocated`` and without the allocator's caching that blurs the resident set. The count
-costs a Python call per operation in every variant (the tiled MLP runs more, smaller ones).
+costs a Python call per operation in every variant (the tiled MLP and layer run more, smaller ones).
 ``bytes/token`` is that peak over the tokens a rank holds; ``slope`` is its growth per token from the
 shortest to the longest length, the part a longer pack pays again for every token.
 
@@ -35,7 +37,7 @@ forward and back in at the backward, into tensors counted as ``host``; ``step pe
 
 After the table, one MLP of the model alone at the longest length: forward and backward, dense and
 tiled, measured the same way, to say how much of the MLP term the tiles remove. The default sizes take
-about 15 minutes on 2 cores.
+about 20 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -169,6 +171,14 @@ def main() -> None:
             slope = (high["peak_bytes"] - low["peak_bytes"]) / (high["tokens"] - low["tokens"])
             base = base or slope
             print(f"  {variant:<20} {slope:>10,.0f}   {slope / base:.2f}x")
+    print()
+    print("the whole layer tiled against the MLP alone, both with offloaded inputs:")
+    for length in lengths:
+        layer, mlp = rows["+ tiled layer", length], rows["+ offloaded inputs", length]
+        print(
+            f"  {length // 1024}k: step peak {layer['peak_bytes'] / mlp['peak_bytes']:.2f}x, "
+            f"s/step {layer['step_seconds'] / mlp['step_seconds']:.2f}x"
+        )
     mlp = mlp_alone(longest, args.hidden)
     removed = 1 - mlp["tiled"] / mlp["dense"]
     print()

@@ -26,14 +26,16 @@ from longalign.tensor_memory import CopiesToHost, LiveTensors
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKPOINTING = ["training.activation_checkpointing=true"]
+OFFLOAD = ["training.offload_activations=true"]
 VARIANTS = {
     "checkpointing": CHECKPOINTING,
-    "+ tiled MLP": [*CHECKPOINTING, "training.tiled_mlp=true"],
-    "+ offloaded inputs": [*CHECKPOINTING, "training.tiled_mlp=true", "training.offload_activations=true"],
+    "+ tiled MLP": [*CHECKPOINTING, "training.sequence_tiling=mlp"],
+    "+ offloaded inputs": [*CHECKPOINTING, "training.sequence_tiling=mlp", *OFFLOAD],
+    "+ tiled layer": [*CHECKPOINTING, "training.sequence_tiling=layer", *OFFLOAD],
     "+ SP 2, per rank": [
         *CHECKPOINTING,
-        "training.tiled_mlp=true",
-        "training.offload_activations=true",
+        "training.sequence_tiling=layer",
+        *OFFLOAD,
         "training.sequence_parallel_size=2",
     ],
 }

@@ -66,6 +66,11 @@ IGNORE_INDEX = -100
 STRATEGIES = ("bfd", "ffd", "greedy", "sorted", "none")  # longalign.packing.pack
 TRUNCATIONS = ("right", "left", "drop")  # longalign.tokenize: what becomes of a sample over max_seq_len
 TORCH_DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")  # float64: CPU checks of identities
+SEQUENCE_TILING = (
+    "",
+    "mlp",
+    "layer",
+)  # [training] sequence_tiling: off, the MLP alone, every token-wise part
 # The needle grid's defaults, in the run file's [eval_tasks] and in `longalign eval needle`.
 NEEDLE_LENGTHS = (1000, 2000, 4000, 8000)
 NEEDLE_DEPTHS = (0, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100)
@@ -346,8 +351,12 @@ class TrainingConfig:
     preflight: bool | None = None  # run the multi-rank checks before the first step; default: when ranks > 1
     resume_ignore_changes: bool = False  # resume although the data, packing or loss settings changed
     sequence_parallel_size: int = 1  # ranks each pack is split over (DeepSpeed Ulysses); 1 = off
-    tiled_mlp: bool = False  # each layer's MLP runs over the tokens in tiles, recomputed in backward (exact)
-    mlp_tile_tokens: int = 0  # tokens per MLP tile; 0: the model's hidden size (ceil(tokens / hidden) tiles)
+    # Token-wise work run over the tokens in tiles, each recomputed in backward (exact): "mlp" each layer's
+    # MLP, "layer" every part of each decoder layer but the attention kernel; "" off. (tiled_mlp = true: "mlp")
+    sequence_tiling: str = ""
+    mlp_tile_tokens: int = (
+        0  # tokens per tile, either level; 0: the model's hidden size (ceil(tokens / hidden))
+    )
     offload_activations: bool = False  # checkpointed layer inputs wait for backward in (pinned) host memory
     activation_checkpointing_layers: int = 1  # checkpoint every n-th decoder layer (1: all of them)
     args: dict[str, Any] = field(default_factory=dict)  # every other key, for transformers.TrainingArguments
@@ -361,10 +370,15 @@ class TrainingConfig:
             raise ConfigError(
                 f"training.mlp_tile_tokens: must be >= 0 (0: the model's hidden size), got {self.mlp_tile_tokens}"
             )
-        if self.mlp_tile_tokens and not self.tiled_mlp:
+        if self.sequence_tiling not in SEQUENCE_TILING:
             raise ConfigError(
-                f"training.mlp_tile_tokens = {self.mlp_tile_tokens} sizes the tiles of training.tiled_mlp, "
-                "which is off; set training.tiled_mlp = true"
+                f"training.sequence_tiling: expected one of {', '.join(map(repr, SEQUENCE_TILING))} ('' is off), "
+                f"got {self.sequence_tiling!r}"
+            )
+        if self.mlp_tile_tokens and not self.sequence_tiling:
+            raise ConfigError(
+                f"training.mlp_tile_tokens = {self.mlp_tile_tokens} sizes the tiles of training.sequence_tiling, "
+                'which is off; set training.sequence_tiling = "layer" (or "mlp")'
             )
         if self.activation_checkpointing_layers < 1:
             raise ConfigError(
@@ -567,6 +581,8 @@ ALIASES = {
         "model.attn_backend", {False: "sdpa_segments"}, excludes={True: ("sdpa_segments",)}
     ),
     "training.per_device_batch_size": Alias("training.per_device_train_batch_size"),
+    # The first switch of sequence tiling, before the whole layer could be tiled.
+    "training.tiled_mlp": Alias("training.sequence_tiling", {True: "mlp"}, excludes={False: ("mlp",)}),
     # TrainingArguments reads a warmup_steps value below 1 as a fraction of all steps.
     "training.warmup_ratio": Alias("training.warmup_steps"),
     # peft's own LoraConfig names.

@@ -308,6 +308,13 @@ def suggestions(
             "turn on activation checkpointing (training.activation_checkpointing=true): keeps one layer's "
             "activations at a time instead of all of them, for about a third more compute"
         )
+    tiling = cfg.training.sequence_tiling
+    if tiling != "layer":
+        out.append(
+            f"tile every token-wise part of each layer (training.sequence_tiling=layer, now {tiling or 'off'}): "
+            "the recomputed layer keeps one tile of its norms, projections and MLP instead of the whole pack's, "
+            "exactly, for one more forward of all but attention"
+        )
     split = cfg.training.sequence_parallel_size
     out.append(
         f"split each pack over more ranks (training.sequence_parallel_size={2 * split}, now {split}; DeepSpeed "

@@ -149,7 +149,7 @@ def load_model(cfg: Config, device: torch.device | None = None) -> torch.nn.Modu
     """The model of ``[model]`` (pretrained, or random from ``init_from_config``), patched for packed input.
 
     With ``[lora] load_in_4bit`` or ``load_in_8bit`` a pretrained model loads quantized onto ``device``.
-    ``[training] tiled_mlp`` tiles its MLPs and ``offload_activations`` moves the inputs that
+    ``[training] sequence_tiling`` tiles its MLPs or whole layers and ``offload_activations`` moves the inputs that
     checkpointing keeps to host memory (``longalign.patch``).
     """
     mc = cfg.model
@@ -179,8 +179,11 @@ def load_model(cfg: Config, device: torch.device | None = None) -> torch.nn.Modu
     model = longalign.patch.apply(
         model, backend=mc.attn_backend, sequence_parallel_size=training.sequence_parallel_size
     )
-    if training.tiled_mlp:  # after the run's TrainingArguments: under ZeRO-3 the MLPs become leaf modules
+    # After the run's TrainingArguments: under ZeRO-3 the tiled MLPs (or layers) become leaf modules.
+    if training.sequence_tiling == "mlp":
         longalign.patch.tile_mlp(model, tile_tokens=training.mlp_tile_tokens)
+    elif training.sequence_tiling == "layer":
+        longalign.patch.tile_layers(model, tile_tokens=training.mlp_tile_tokens)
     if training.offload_activations:
         longalign.patch.offload_checkpointed_inputs(model)
     return model

@@ -20,8 +20,9 @@ attends without splitting for a while (scoring during training).
 Families with a module of their own: ``llama`` (Llama 3), ``glm`` (GLM, GLM-4). Other decoders with rotary
 positions and attention through transformers' ``AttentionInterface`` take the ``generic`` path.
 
-Two more patches trade time for memory at long context, both exact: ``tile_mlp(model)`` runs every
-layer's MLP over the tokens in tiles (``tiled_mlp``), and ``offload_checkpointed_inputs(model)`` keeps
+Three more patches trade time for memory at long context, all exact: ``tile_mlp(model)`` runs every
+layer's MLP over the tokens in tiles (``tiled_mlp``), ``tile_layers(model)`` every token-wise part of
+every decoder layer (``tiled_layer``), and ``offload_checkpointed_inputs(model)`` keeps
 the inputs that activation checkpointing saves in host memory (``offload``).
 """
 
@@ -42,11 +43,13 @@ from .interface import ATTENTION_NAMES, register, varlen_attention_forward
 from .llama import LLAMA
 from .offload import offload_checkpointed_inputs
 from .sequence_parallel import sequence_parallel_problems, whole_rows, wrap
+from .tiled_layer import TILEABLE_LAYERS, tile_layers
 from .tiled_mlp import TILEABLE_MLPS, tile_mlp
 
 __all__ = [
     "ATTENTION_NAMES",
     "FAMILIES",
+    "TILEABLE_LAYERS",
     "TILEABLE_MLPS",
     "UnsupportedModelError",
     "apply",
@@ -54,6 +57,7 @@ __all__ = [
     "offload_checkpointed_inputs",
     "sequence_parallel_problems",
     "supported",
+    "tile_layers",
     "tile_mlp",
     "varlen_attention_forward",
     "whole_rows",

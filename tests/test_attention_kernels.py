@@ -33,7 +33,7 @@ from kernel_standins import (
     load_flash_attn,
 )
 from sequence_parallel_run import outcome
-from tiled_mlp_run import one_step
+from tiled_mlp_run import one_step, reference_step
 
 from longalign import attention
 from longalign.attention import available_backends, varlen_attention
@@ -180,9 +180,10 @@ STEP_BOUND = 5e-2
 MODEL_STEPS = [
     pytest.param(family, switches, marks=[pytest.mark.integration] if family != "llama" else [])
     for family, variants in (
-        ("llama", ("", "+checkpointing", "+tiled")),
-        ("glm4", ("", "+checkpointing+tiled")),  # fused gate_up_proj, partial rotary, q/k/v biases
-        ("qwen3", ("", "+checkpointing+tiled")),  # per-head q/k norms
+        ("llama", ("", "+checkpointing", "+tiled", "+layer")),
+        # Tiled layers hand the kernel q, k, v from their tiles (a tiled MLP does not touch attention).
+        ("glm4", ("", "+checkpointing+layer")),  # fused gate_up_proj, partial rotary, q/k/v biases
+        ("qwen3", ("", "+checkpointing+layer")),  # per-head q/k norms
     )
     for switches in variants
 ]
@@ -197,7 +198,7 @@ def worst_parameter_error(got: dict, want: dict) -> float:
 @pytest.mark.parametrize("family, switches", MODEL_STEPS)
 def test_a_packed_model_trains_the_same_step_on_each_gpu_backend(family, switches):
     try:
-        want = one_step(f"{family}+bf16{switches}")
+        want = reference_step(f"{family}+bf16{switches}")
         for name in STOOD_IN if os.environ.get("LONGALIGN_FA3_INTERFACE") else ("flash_attn", "torch_varlen"):
             got = one_step(f"{family}+bf16{switches}+{name}")
             assert worst_parameter_error(got["update"], want["update"]) <= STEP_BOUND, name
@@ -230,7 +231,8 @@ def test_the_1d_mask_call_reaches_each_gpu_backend_as_cu_seqlens(kernel, kind):
 @needs_deepspeed
 def test_sequence_parallel_2_with_flash_attn_trains_the_one_rank_step(tmp_path):
     """2 ranks, each pack split over both: the Ulysses exchange hands flash-attn's Python layer whole samples,
-    half of the heads on each rank, in the layout and dtype its kernel takes (the stand-in checks them).
+    half of the heads on each rank, in the layout and dtype its kernel takes (the stand-in checks them); with
+    tiled layers, from q, k, v their tiles computed.
 
     DeepSpeed's Ulysses layer wraps one attention per process, hence a launch of its own.
     """
@@ -238,7 +240,11 @@ def test_sequence_parallel_2_with_flash_attn_trains_the_one_rank_step(tmp_path):
         flash_attn_sources()  # fetched once here, not by both ranks at once
     except SourcesUnavailable as error:
         pytest.skip(f"flash-attn's Python layer is not available here: {error}")
-    variants = ["llama+bf16+flash_attn", "llama+bf16+flash_attn+tiled+checkpointing"]
+    variants = [
+        "llama+bf16+flash_attn",
+        "llama+bf16+flash_attn+tiled+checkpointing",
+        "llama+bf16+flash_attn+layer+checkpointing",  # the exchange between the tiled parts and the kernel
+    ]
     out, here = tmp_path / "results.pt", Path(__file__).resolve().parent
     cases = [f"ddp/{variant}+split" for variant in variants]
     result = launch(here / "tiled_mlp_run.py", str(out), *cases, env={"PYTHONPATH": str(here)})
@@ -250,6 +256,8 @@ def test_sequence_parallel_2_with_flash_attn_trains_the_one_rank_step(tmp_path):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-4), variant
     halves = outcome(results, cases[1])["mlp_tokens"]  # forward and recompute, on each rank its half
     assert [sorted(set(calls)) for calls in halves] == [[17, 18], [17, 18]]
+    tiles = outcome(results, cases[2])["mlp_tokens"]  # tiled layers: 3 tiles of each half
+    assert [sorted(set(calls)) for calls in tiles] == [[5, 6], [5, 6]]
 
 
 # ---- FlashAttention 4: our call bound to its signature

@@ -514,11 +514,15 @@ def test_long_context_memory_keys_load_with_checkpointing():
                              "training.mlp_tile_tokens=2048", "training.offload_activations=true",
                              "training.activation_checkpointing_layers=2"])  # fmt: skip
     training = cfg.training
-    assert (training.tiled_mlp, training.mlp_tile_tokens) == (True, 2048)
+    assert (training.sequence_tiling, training.mlp_tile_tokens) == ("mlp", 2048)  # tiled_mlp = true: "mlp"
     assert (training.offload_activations, training.activation_checkpointing_layers) == (True, 2)
     assert "tiled_mlp" not in training.args  # longalign's own keys, not TrainingArguments fields
     defaults = load_config(None, [M]).training
-    assert (defaults.tiled_mlp, defaults.mlp_tile_tokens) == (False, 0)
+    assert (defaults.sequence_tiling, defaults.mlp_tile_tokens) == ("", 0)
+    assert load_config(None, [M, "training.sequence_tiling=layer"]).training.sequence_tiling == "layer"
+    agreeing = load_config(None, [M, "training.sequence_tiling=mlp", "training.tiled_mlp=true"])
+    assert agreeing.training.sequence_tiling == "mlp"
+    assert load_config(None, [M, "training.tiled_mlp=false"]).training.sequence_tiling == ""
     assert (defaults.offload_activations, defaults.activation_checkpointing_layers) == (False, 1)
 
 
@@ -534,7 +538,19 @@ def test_long_context_memory_keys_load_with_checkpointing():
             ["training.activation_checkpointing_layers=2"],
             "training.activation_checkpointing_layers = 2 picks the layers .* turn checkpointing on",
         ),
-        (["training.mlp_tile_tokens=512"], "sizes the tiles of training.tiled_mlp, which is off"),
+        (["training.mlp_tile_tokens=512"], "sizes the tiles of training.sequence_tiling, which is off"),
+        (
+            ["training.tiled_mlp=true", "training.sequence_tiling=layer"],
+            'training.tiled_mlp = true means training.sequence_tiling = "mlp", but training.sequence_tiling = "layer"',
+        ),
+        (
+            ["training.tiled_mlp=false", "training.sequence_tiling=mlp"],
+            'training.tiled_mlp = false contradicts training.sequence_tiling = "mlp"',
+        ),
+        (
+            ["training.sequence_tiling=attention"],
+            "training.sequence_tiling: expected one of '', 'mlp', 'layer'",
+        ),
         (
             ["training.tiled_mlp=true", "training.mlp_tile_tokens=-1"],
             "training.mlp_tile_tokens: must be >= 0",

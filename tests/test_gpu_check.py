@@ -39,14 +39,14 @@ def test_the_long_context_ladder_trains_each_length_with_the_run_s_trainer(capsy
     shape = {**check.LLAMA_31_8B_LAYERS, **TINY, "vocab_size": 4096, "model_type": "llama"}
     shape.update(bos_token_id=1, eos_token_id=2, pad_token_id=0, max_position_embeddings=4096)
     rows = check.long_context_ladder(
-        [1024, 2048], shape, [*check.LONG_CONTEXT, "model.attn_backend='sdpa_segments'"]
+        [1024, 2048], shape, [*check.long_context("layer"), "model.attn_backend='sdpa_segments'"]
     )
     assert [row["tokens"] for row in rows] == [1024, 2048]
     assert all(row["step_seconds"] > 0 and row["peak_bytes"] > 0 for row in rows)
     assert rows[0]["growth_bytes_per_token"] is None and isinstance(rows[1]["growth_bytes_per_token"], float)
     assert rows[1]["predicted_peak_bytes"] is None  # two rungs below are needed
     printed = capsys.readouterr().out
-    assert "tiled_mlp=true, offload_activations=true" in printed
+    assert "sequence_tiling=layer, offload_activations=true" in printed
     assert printed.splitlines()[-1].split()[0] == "2,048"
 
 

@@ -179,6 +179,7 @@ def test_suggestions_follow_the_config(tmp_path):
     plain = load_config(DEMO)
     advice = suggestions(plain, device_type="cuda", vocab_size=4096, environ={})
     assert any("activation_checkpointing=true" in line for line in advice)
+    assert any("training.sequence_tiling=layer, now off" in line for line in advice)
     assert any("FSDP" in line and "ZeRO-3" in line for line in advice)
     assert any("loss.chunk_size (now 2048, try 512)" in line and "32 MiB" in line for line in advice)
     assert any("bfloat16" in line for line in advice)
@@ -189,6 +190,7 @@ def test_suggestions_follow_the_config(tmp_path):
         DEMO,
         [
             "training.activation_checkpointing=true",
+            "training.sequence_tiling=layer",
             f"training.deepspeed='{zero2}'",
             "loss.chunk_size=512",
             "training.bf16=true",
@@ -205,6 +207,10 @@ def test_suggestions_follow_the_config(tmp_path):
         environ={},
     )
     assert any("training.sequence_parallel_size=4, now 2" in line for line in split)
+    mlp = suggestions(
+        load_config(DEMO, ["training.tiled_mlp=true"]), device_type="cuda", vocab_size=None, environ={}
+    )
+    assert any("training.sequence_tiling=layer, now mlp" in line for line in mlp)
     adapters = load_config(DEMO, ["lora.r=8"])
     advice = suggestions(adapters, device_type="cuda", vocab_size=4096, environ={})
     assert not any("train LoRA" in line for line in advice)

@@ -88,8 +88,14 @@ def test_the_model_is_tiled_and_offloaded_as_the_config_says():
     for layer in model.model.layers:
         assert layer.mlp.forward.func is tiled_forward and layer.mlp.forward.keywords == {"tile_tokens": 64}
         assert layer.forward.func is _offloaded_forward
+    layer_settings = [settings[0], "training.sequence_tiling=layer", settings[2]]
+    layers = load_model(load_config(DEMO, layer_settings)).model.layers
+    for layer in layers:  # the layer's class, tiled; its MLP the class's own
+        assert type(layer).untiled.__name__ == type(layer).__name__ and layer.tile_tokens == 64
+        assert "forward" not in vars(layer.mlp)
     plain = load_model(load_config(DEMO))
     assert all("forward" not in vars(module) for module in plain.modules())  # the class's own forwards
+    assert not any(hasattr(type(layer), "untiled") for layer in plain.model.layers)
 
 
 def test_model_dtype_is_resolved_once_from_the_config():

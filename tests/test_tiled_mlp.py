@@ -6,7 +6,7 @@ recomputes the tiles, and the refusals; then one optimizer step of the real trai
 against the same step without (Llama, GLM-4 and Qwen3; activation checkpointing on and off; full
 fine-tuning and LoRA). The launched ones run the same comparison with each pack split over 2 ranks
 (DDP, sequence parallelism 2) and under ZeRO-3 with one rank holding about a quarter of the other's
-tokens, and so fewer tiles (``tiled_mlp_run.py``).
+tokens, and so fewer tiles (``tiled_mlp_run.py``); a case of tiled decoder layers rides along in each.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from conftest import (
     tiny_model,
 )
 from sequence_parallel_run import outcome
-from tiled_mlp_run import TILE_TOKENS, one_step
+from tiled_mlp_run import TILE_TOKENS, one_step, reference_step
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 import longalign.patch
@@ -158,7 +158,7 @@ STEPS = [
 
 @pytest.mark.parametrize("variant", STEPS)
 def test_a_step_with_tiled_mlps_is_the_step_without(variant):
-    tiled, dense = one_step(variant + "+tiled"), one_step(variant)
+    tiled, dense = one_step(variant + "+tiled"), reference_step(variant)
     assert relative_error(tiled["update"], dense["update"]) < FLOAT64_BOUND
     assert tiled["loss"] == pytest.approx(dense["loss"], rel=1e-12)
     assert max(tiled["mlp_tokens"][0]) > TILE_TOKENS  # the MLP did run in several tiles
@@ -168,8 +168,19 @@ def test_a_step_with_tiled_mlps_is_the_step_without(variant):
 
 # Every two-rank case in one launch: DDP with each pack split over both ranks (sequence parallelism 2), each
 # rank tiling its half; then ZeRO-3 with one pack per rank, 51 tokens (7 tiles) on one and 14 (2) on the other.
-SPLIT = ["llama+split", "llama+tiled+split", "llama+tiled+checkpointing+adapters+split"]
-UNEVEN = ["llama+uneven", "llama+tiled+uneven", "llama+tiled+checkpointing+adapters+uneven"]
+# The tiled decoder layer (tests/test_tiled_layer.py) rides along: one case of each.
+SPLIT = [
+    "llama+split",
+    "llama+tiled+split",
+    "llama+tiled+checkpointing+adapters+split",
+    "llama+layer+checkpointing+adapters+split",
+]
+UNEVEN = [
+    "llama+uneven",
+    "llama+tiled+uneven",
+    "llama+tiled+checkpointing+adapters+uneven",
+    "llama+layer+checkpointing+adapters+uneven",
+]
 
 
 @pytest.fixture(scope="module")
@@ -183,8 +194,8 @@ def two_ranks(tmp_path_factory) -> dict:
 
 
 def whole(variant: str) -> str:
-    """The one-process reference of a variant: packs whole, MLPs untiled."""
-    return variant.replace("+tiled", "").replace("+split", "")
+    """The one-process reference of a variant: packs whole, MLPs and layers untiled."""
+    return variant.replace("+tiled", "").replace("+layer", "").replace("+split", "")
 
 
 @pytest.mark.integration
@@ -193,11 +204,13 @@ def whole(variant: str) -> str:
 def test_split_packs_with_tiled_mlps_give_the_step_of_the_whole_packs(two_ranks):
     """DDP over 2 ranks, each pack split over both (sequence parallelism 2): each rank tiles its half."""
     for variant in SPLIT:
-        got, want = outcome(two_ranks, f"ddp/{variant}"), one_step(whole(variant))
+        got, want = outcome(two_ranks, f"ddp/{variant}"), reference_step(whole(variant))
         assert relative_error(got["update"], want["update"]) < FLOAT64_BOUND, variant
         assert got["loss"] == pytest.approx(want["loss"], rel=FLOAT32_BOUND)
     halves = outcome(two_ranks, "ddp/llama+tiled+split")["mlp_tokens"]
     assert halves == [[18, 17], [18, 17]]  # every rank: its half of the packs of 36 and of 34 tokens
+    tiles = outcome(two_ranks, "ddp/llama+layer+checkpointing+adapters+split")["mlp_tokens"]
+    assert [max(calls) for calls in tiles] == [6, 6]  # tiled layers: 3 tiles of each half
 
 
 @pytest.mark.integration
@@ -207,12 +220,15 @@ def test_zero3_ranks_with_different_tile_counts_do_not_wait_on_each_other(two_ra
     """ZeRO-3 on 2 ranks, one pack each: 51 tokens (7 tiles) on one, 14 (2 tiles) on the other."""
     tokens = sorted(calls[0] for calls in outcome(two_ranks, "zero3/llama+tiled+uneven")["mlp_tokens"])
     assert [tile_count(n, TINY["hidden_size"], TILE_TOKENS) for n in tokens] == [2, 7]
+    # Tiled layers, checkpointed: each rank's MLP ran its tiles in forward, recompute, and backward.
+    layer_tiles = outcome(two_ranks, "zero3/llama+layer+checkpointing+adapters+uneven")["mlp_tokens"]
+    assert sorted(len(calls) for calls in layer_tiles) == [3 * 2, 3 * 7]
     tiled, dense = outcome(two_ranks, "zero3/llama+tiled+uneven"), outcome(two_ranks, "zero3/llama+uneven")
     # ZeRO-3 partitions float32 parameters at most: the tiles' summed weight gradients round as float32 does.
     assert relative_error(tiled["update"], dense["update"]) < FLOAT32_BOUND
     # Against one process without ZeRO, in float64: float32 and ZeRO-3 move the update, tiled or not.
     for variant in UNEVEN:
-        want = one_step(whole(variant))
+        want = reference_step(whole(variant))
         assert relative_error(two_ranks[f"zero3/{variant}"]["update"], want["update"]) < FLOAT32_BOUND, (
             variant
         )

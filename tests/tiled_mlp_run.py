@@ -1,4 +1,4 @@
-"""One optimizer step of LongAlignTrainer in float64 (float32 under ZeRO-3), MLPs tiled or not; what the step did.
+"""One optimizer step of LongAlignTrainer in float64 (float32 under ZeRO-3), MLPs or layers tiled or not; what it did.
 
 Imported by tests/test_tiled_mlp.py, tests/test_offload.py and tests/test_attention_kernels.py for one
 process, and run under ``accelerate launch`` for the multi-rank cases, every case of a launch in one process:
@@ -6,9 +6,10 @@ process, and run under ``accelerate launch`` for the multi-rank cases, every cas
     accelerate launch --multi_gpu --num_processes 2 tests/tiled_mlp_run.py OUT.pt ENGINE/VARIANT...
 
 ``ENGINE`` is ``ddp`` or ``zero<STAGE>`` (DeepSpeed ZeRO), the DDP cases first (as in
-``sequence_parallel_run.py``). A variant is a model family with switches, ``FAMILY[+tiled][+checkpointing]
-[+offload][+adapters][+uneven][+split][+bf16][+flash_attn|+torch_varlen]``: ``tiled`` runs the MLPs in
-tiles of :data:`TILE_TOKENS` tokens, ``checkpointing`` turns activation checkpointing on, ``offload`` keeps
+``sequence_parallel_run.py``). A variant is a model family with switches, ``FAMILY[+tiled|+layer]
+[+checkpointing][+offload][+adapters][+uneven][+split][+bf16][+flash_attn|+torch_varlen]``: ``tiled`` runs
+the MLPs in tiles of :data:`TILE_TOKENS` tokens, ``layer`` every token-wise part of the decoder layers
+(``tile_layers``), ``checkpointing`` turns activation checkpointing on, ``offload`` keeps
 its inputs in host memory, ``adapters`` trains LoRA adapters on every projection (:data:`ADAPTERS`),
 ``uneven`` trains on two packs of very different lengths, one per rank; ``split`` splits every pack over all
 ranks (sequence parallelism); ``bf16`` trains float32 weights in bf16 mixed precision (autocast) instead of
@@ -21,6 +22,7 @@ call of the first layer's MLP on every rank.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import tempfile
@@ -42,7 +44,7 @@ TILE_TOKENS = 8  # 2 to 7 tiles per micro-batch of these packs (and of their hal
 # Adapters on every projection, the MLP's included; the norms train whole. No dropout: tiles draw their
 # masks tile by tile, so a tiled step with dropout is a different draw, not a different gradient.
 ADAPTERS = LoraConfig(r=4, alpha=8.0, trainable=["norms"])
-SWITCHES = ("tiled", "checkpointing", "offload", "adapters", "uneven", "split", "bf16", *STOOD_IN)
+SWITCHES = ("tiled", "layer", "checkpointing", "offload", "adapters", "uneven", "split", "bf16", *STOOD_IN)
 
 
 def parse(variant: str) -> tuple[str, set[str]]:
@@ -67,6 +69,8 @@ def model(family: str, switches: set[str], size: int, *, float32: bool = False) 
     base = base.float() if float32 or "bf16" in switches else base.double()
     if "tiled" in switches:
         longalign.patch.tile_mlp(base, tile_tokens=TILE_TOKENS)
+    if "layer" in switches:
+        longalign.patch.tile_layers(base, tile_tokens=TILE_TOKENS)
     if "offload" in switches:
         longalign.patch.offload_checkpointed_inputs(base)
     if "adapters" not in switches:
@@ -125,6 +129,12 @@ def one_step(variant: str, *, zero_stage: int | None = None) -> dict:
         release(trainer)
     update = {name: start[name] - params[name] for name in start}
     return {"update": update, "loss": loss, "mlp_tokens": gathered(tokens)}
+
+
+@functools.cache
+def reference_step(variant: str) -> dict:
+    """``one_step(variant)``, run once per process: the untiled step that several tests compare with."""
+    return one_step(variant)
 
 
 def first_mlp(model: torch.nn.Module) -> torch.nn.Module:
