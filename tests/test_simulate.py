@@ -1,5 +1,5 @@
 """The simulated step (``longalign probe --simulate``) against real CPU steps counted the same way, and its
-pieces: the kernels' stand-ins, the layer extrapolation, the engine's parts, the one-line refusals."""
+pieces: the kernels' stand-ins, the one-line refusals and verdicts."""
 
 from __future__ import annotations
 
@@ -7,10 +7,17 @@ import json
 import sys
 
 import pytest
-from conftest import ROOT, counted_real_steps, needs_deepspeed, run_process
+import torch
+from conftest import DEMO, ROOT, counted_real_steps, needs_deepspeed, run_process
 
+from longalign.config import load_config
+from longalign.probe import parse_size
 from longalign.simulate import (
     Setup,
+    SimulationError,
+    _kernel_buffers,
+    format_simulation,
+    kernel_for,
     simulate_lengths,
 )
 
@@ -20,6 +27,7 @@ VARIANTS = {
     "checkpointing": CHECKPOINTING,
     "tiled MLP": [*CHECKPOINTING, "training.tiled_mlp=true", "training.mlp_tile_tokens=256"],
     "offloaded inputs": [*CHECKPOINTING, "training.offload_activations=true"],
+    "tiled layer": [*CHECKPOINTING, "training.sequence_tiling='layer'", "training.mlp_tile_tokens=256"],
     "LoRA": [*CHECKPOINTING, "lora.r=8"],
 }
 
@@ -56,3 +64,48 @@ def test_the_simulated_rank_of_a_sequence_parallel_group_is_the_counted_real_ran
     for length in LENGTHS:
         real, simulated = measured["real"][str(length)], measured["simulated"][str(length)]
         assert simulated == pytest.approx(real, rel=0.02), (length, measured)
+
+
+def test_the_kernel_stand_ins_allocate_what_the_kernels_sources_allocate():
+    """FA2's mha_varlen_bwd at Llama-3.1-8B's heads (32 query, 8 key/value of 128) for 1000 tokens in 3
+    samples: softmax_d, dq_accum (float32, 128 padding rows per sample) and dk/dv expanded to 32 heads."""
+    q, k = torch.empty(1000, 32, 128, dtype=torch.bfloat16), torch.empty(1000, 8, 128, dtype=torch.bfloat16)
+    sizes = [tuple(t.shape) + (t.dtype,) for t in _kernel_buffers("flash_attn_2", q, k, samples=3)]
+    assert sizes == [
+        (32, 1384, torch.float32),
+        (1384, 32, 128, torch.float32),
+        (1000, 32, 128, torch.bfloat16),
+        (1000, 32, 128, torch.bfloat16),
+    ]
+    # FA3 (sm90, causal, head size 128): kBlockM 64, kBlockN 128; dk/dv accumulated per key/value head.
+    sizes = [tuple(t.shape) for t in _kernel_buffers("flash_attn_3", q, k, samples=3)]
+    assert sizes == [(32, 1216), (32, 1216), (32, 1216 * 128), (8, 1408, 128), (8, 1408, 128)]
+
+
+def test_what_cannot_be_simulated_is_one_line_naming_it(tmp_path):
+    cfg = load_config(DEMO, ["model.attn_backend='flash_attn_cute'"])
+    with pytest.raises(SimulationError, match="FlashAttention 4 .* has no stand-in"):
+        kernel_for(cfg)
+    with pytest.raises(SimulationError, match="--kernel flash_attn_5: no stand-in"):
+        kernel_for(cfg, "flash_attn_5")
+    assert kernel_for(load_config(DEMO, [])) == "sdpa_segments"  # a CPU run: the kernel it runs
+    assert (
+        kernel_for(load_config(DEMO, ["training.use_cpu=false", "model.attn_backend='auto'"]))
+        == "flash_attn_2"
+    )
+    run_file = ROOT / "configs" / "llama3_8b_768k_1gpu.toml"
+    missing = load_config(run_file, [f"model.model_name_or_path='{tmp_path / 'nowhere'}'"])
+    with pytest.raises(SimulationError, match="its config cannot be read here"):
+        simulate_lengths(missing, [1024], Setup())
+
+
+def test_the_verdict_says_by_how_much_in_one_line():
+    row = {"length": 1048576, "peak": parse_size("82GiB"), "host_per_node": parse_size("1TiB")}
+    setup = Setup(gpu_memory=parse_size("80GiB"), host_memory=parse_size("2TiB"))
+    text = format_simulation([{**row, "tokens_per_gpu": 1048576, "weights": 0, "gradients": 0,
+                               "optimizer states": 0, "engine": 0, "activations": row["peak"],
+                               "activation_bytes_per_token_per_hidden": 20.5}], setup)  # fmt: skip
+    assert text.splitlines()[-1] == (
+        "1m: peak 82.00 GiB per GPU does not fit 80.00 GiB (2.00 GiB over); host 1.00 TiB per node fits 2.00 TiB "
+        "(1.00 TiB left)"
+    )
