@@ -27,7 +27,8 @@ Without CUDA it says so in one line and exits 2, before building anything. With 
    to 512k tokens by default); twice, with ``sequence_tiling = "mlp"`` and with ``"layer"``. Per length: the second step's time, the
    peak GPU memory (``max_memory_allocated``), its growth per token from the length before, the peak
    predicted from the two lengths before (the probe's ``--plan``: linear in the tokens) and its error,
-   and the pinned host memory the offload held per token and layer. With the inputs offloaded, what grows
+   the peak the simulation counts for the same step (``longalign probe --simulate``: fake tensors, the
+   attention kernel's stand-in) and its error, and the pinned host memory the offload held per token and layer. With the inputs offloaded, what grows
    per token on the GPU is the one layer being recomputed and the loss, whatever the number of layers; a
    plan for 32 layers adds 32 x the host figure per token in host memory. The ladder stops at the first
    length that runs out of memory.
@@ -60,6 +61,7 @@ from longalign.config import load_config
 from longalign.probe import format_bytes, synthetic_pack
 from longalign.probe_step import measure_steps, probe_overrides
 from longalign.run import build_trainer, release
+from longalign.simulate import Setup, SimulationError, simulate_lengths
 
 ROOT = Path(__file__).resolve().parents[1]
 # Two layers of Llama-3.1-8B, its RoPE included: what each token costs does not depend on the weights.
@@ -361,6 +363,23 @@ def ladder_step(length: int, model: dict, overrides: list[str], work: Path) -> d
     return {"tokens": length, **measured, "host_bytes": host}
 
 
+def simulated_peak(length: int, model: dict, overrides: list[str], work: Path) -> float | None:
+    """The peak of :func:`ladder_step`'s step as ``longalign probe --simulate`` counts it on fake tensors (the
+    GPU attention kernel's stand-in, the run's own model and step), or ``None`` when it cannot simulate it."""
+    settings = probe_overrides(length, train_file=work / f"packs-{length}", output_dir=work / f"sim-{length}")
+    settings += [
+        f"model.init_from_config={toml_value(model)}",
+        f"model.tokenizer='{ROOT / 'data' / 'tokenizer'}'",
+    ]
+    try:
+        cfg = load_config(ROOT / "configs" / "demo.toml", [*settings, *overrides])
+        (row,) = simulate_lengths(cfg, [length], Setup())
+    except SimulationError as err:
+        print(f"  simulation: {err}")
+        return None
+    return row["peak"]
+
+
 def predicted_peak(rows: list[dict], length: int) -> float | None:
     """The peak at ``length`` as the probe's plan predicts it: linear in the tokens through the two rows
     before (``None`` with fewer)."""
@@ -408,7 +427,7 @@ def long_context_ladder(lengths: list[int], model: dict, overrides: list[str]) -
     )
     print(
         f"{'tokens':>8}{'step s':>9}{'tok/s':>9}{'GPU peak':>12}{'growth/token':>14}{'predicted':>12}"
-        f"{'error':>8}{'host/token/layer':>18}"
+        f"{'error':>8}{'simulated':>12}{'error':>8}{'host/token/layer':>18}"
     )
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as work:
@@ -429,12 +448,20 @@ def long_context_ladder(lengths: list[int], model: dict, overrides: list[str]) -
                 else row["predicted_peak_bytes"] / row["peak_bytes"] - 1
             )
             row["prediction_error"] = error
+            row["simulated_peak_bytes"] = simulated_peak(length, model, overrides, Path(work))
+            simulated = row["simulated_peak_bytes"]
+            row["simulation_error"] = None if simulated is None else simulated / row["peak_bytes"] - 1
+            sim_error = "-" if simulated is None else f"{row['simulation_error']:+.1%}"
+            sim_error = f"{sim_error:>8}"
             host = row["host_bytes"] / length / layers
             print(
                 f"{length:>8,}{row['step_seconds']:>9.2f}{length / row['step_seconds']:>9,.0f}"
                 f"{format_bytes(row['peak_bytes']):>12}{f'{growth:,.0f} B' if growth else '-':>14}"
                 f"{format_bytes(row['predicted_peak_bytes']) if error is not None else '-':>12}"
-                f"{f'{error:+.1%}' if error is not None else '-':>8}{f'{host:,.0f} B' if host else '-':>18}"
+                f"{f'{error:+.1%}' if error is not None else '-':>8}"
+                f"{format_bytes(simulated) if simulated is not None else '-':>12}"
+                f"{sim_error}"
+                f"{f'{host:,.0f} B' if host else '-':>18}"
             )
             rows.append({key: value for key, value in row.items() if key != "model_sizes"})
     return rows
