@@ -25,9 +25,9 @@ LENGTHS = [512, 1024, 2048]
 CHECKPOINTING = ["training.activation_checkpointing=true"]
 VARIANTS = {
     "checkpointing": CHECKPOINTING,
-    "tiled MLP": [*CHECKPOINTING, "training.tiled_mlp=true", "training.mlp_tile_tokens=256"],
+    "tiled MLP": [*CHECKPOINTING, "training.tiled_mlp=true", "training.mlp_tile_tokens=1024"],
     "offloaded inputs": [*CHECKPOINTING, "training.offload_activations=true"],
-    "tiled layer": [*CHECKPOINTING, "training.sequence_tiling='layer'", "training.mlp_tile_tokens=256"],
+    "tiled layer": [*CHECKPOINTING, "training.sequence_tiling='layer'", "training.mlp_tile_tokens=1024"],
     "LoRA": [*CHECKPOINTING, "lora.r=8"],
 }
 
