@@ -13,11 +13,15 @@ for one micro-batch of ``T`` tokens (hidden ``H``, ``Hq`` query and ``Hkv`` key/
 
 So the tensors that span the whole micro-batch are the layer's input, q, k, v, the attention output (and
 what the kernel keeps), and their gradients; the norms' outputs, the projections' ``[T, intermediate]``
-tensors and the residual sums exist for one tile at a time, in forward and in backward. Each part is an
+tensors and the residual sums exist for one tile at a time, in forward and in backward. The part after
+the kernel is two autograd nodes, ``h = x + o_proj(attention output)`` and ``h + mlp(norm(h))``: the first
+passes ``h``'s gradient on to ``x`` as it is, and the second keeps ``x`` and the attention output (kept
+anyway) instead of ``h`` and rebuilds each tile of ``h`` in its backward, so the gradient arriving at the
+layer's output is freed before the attention output's is made, and no whole ``h`` is kept. Each part is an
 autograd function built as ``tiled_mlp``'s: its trained parameters are inputs, its backward computes
 each tile's gradients with ``torch.autograd.grad`` (no gradient hook fires there) and returns their sum,
-so every parameter's hook fires once per backward (DDP, ZeRO); autocast and the random state (LoRA
-dropout) are replayed for the recompute. Under ZeRO-3 the whole decoder layer is made a leaf module:
+so every parameter's hook fires once per backward (DDP, ZeRO); autocast and each tile's random state
+(LoRA dropout) are replayed for the recompute. Under ZeRO-3 the whole decoder layer is made a leaf module:
 DeepSpeed gathers its parameters once when the layer starts and runs no collective inside it, so ranks
 with different token counts (and tile counts) never wait on each other.
 
