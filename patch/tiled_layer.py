@@ -13,11 +13,15 @@ for one micro-batch of ``T`` tokens (hidden ``H``, ``Hq`` query and ``Hkv`` key/
 
 So the tensors that span the whole micro-batch are the layer's input, q, k, v, the attention output (and
 what the kernel keeps), and their gradients; the norms' outputs, the projections' ``[T, intermediate]``
-tensors and the residual sums exist for one tile at a time, in forward and in backward. Each part is an
+tensors and the residual sums exist for one tile at a time, in forward and in backward. The part after
+the kernel is two autograd nodes, ``h = x + o_proj(attention output)`` and ``h + mlp(norm(h))``: the first
+passes ``h``'s gradient on to ``x`` as it is, and the second keeps ``x`` and the attention output (kept
+anyway) instead of ``h`` and rebuilds each tile of ``h`` in its backward, so the gradient arriving at the
+layer's output is freed before the attention output's is made, and no whole ``h`` is kept. Each part is an
 autograd function built as ``tiled_mlp``'s: its trained parameters are inputs, its backward computes
 each tile's gradients with ``torch.autograd.grad`` (no gradient hook fires there) and returns their sum,
-so every parameter's hook fires once per backward (DDP, ZeRO); autocast and the random state (LoRA
-dropout) are replayed for the recompute. Under ZeRO-3 the whole decoder layer is made a leaf module:
+so every parameter's hook fires once per backward (DDP, ZeRO); autocast and each tile's random state
+(LoRA dropout) are replayed for the recompute. Under ZeRO-3 the whole decoder layer is made a leaf module:
 DeepSpeed gathers its parameters once when the layer starts and runs no collective inside it, so ranks
 with different token counts (and tile counts) never wait on each other.
 
@@ -30,9 +34,10 @@ family's own ``apply_rotary_pos_emb``; the layer's class is replaced by a subcla
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,7 +48,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from longalign.errors import ModelError
 
-from .tiled_mlp import _autocast_state, _bounds, _cast, _replay, _rng_state, tile_count
+from .tiled_mlp import _autocast_state, _bounds, _cast, _rng_state, tile_count
 
 # Decoder layers whose every part but the attention kernel treats each token alone, by class, and the
 # family's extras: q/k norms per head (Qwen3), norms after attention and MLP (GLM-4), and where the
@@ -124,14 +129,12 @@ def _tiled_layer_forward(
     spec = TILEABLE_LAYERS[type(layer).__name__]
     attn = layer.self_attn
     batch, length, hidden = hidden_states.shape
-    tiles = min(length, tile_count(batch * length, hidden, layer.tile_tokens))
+    tiles = _Tiles(min(length, tile_count(batch * length, hidden, layer.tile_tokens)), layer)
     cos, sin = position_embeddings
-    q, k, v = _tiled(
+    q, k, v = tiles.run(
         functools.partial(_before_attention, layer, spec),
-        tiles,
         [hidden_states, cos, sin],
-        _trained(layer.input_layernorm, attn.q_proj, attn.k_proj, attn.v_proj, *_qk_norms(attn, spec)),
-        layer,
+        [layer.input_layernorm, attn.q_proj, attn.k_proj, attn.v_proj, *_qk_norms(attn, spec)],
     )
     interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
         attn.config._attn_implementation, sys.modules[type(attn).__module__].eager_attention_forward
@@ -141,7 +144,7 @@ def _tiled_layer_forward(
         options["sliding_window"] = attn.sliding_window
     elif spec["window"] == "config":
         options["sliding_window"] = getattr(attn.config, "sliding_window", None)
-    out, _ = interface(
+    attended, _ = interface(
         attn,
         q.transpose(1, 2),
         k.transpose(1, 2),
@@ -154,14 +157,23 @@ def _tiled_layer_forward(
         **kwargs,
     )
     del q, k, v
-    (out,) = _tiled(
-        functools.partial(_after_attention, layer, spec),
-        tiles,
-        [hidden_states, out.reshape(batch, length, -1)],
-        _trained(attn.o_proj, layer.post_attention_layernorm, layer.mlp, *_post_norms(layer, spec)),
-        layer,
+    attended = attended.reshape(batch, length, -1)
+    # Two autograd nodes after attention, so that the gradient arriving at the layer's output is freed
+    # before the attention output's is made: h = x + o_proj(attended), then h + mlp(norm(h)). The second
+    # keeps not h but x and the attention output (kept anyway), and rebuilds each tile of h in backward.
+    branch = functools.partial(_attention_branch, layer, spec)
+    (h,) = tiles.run(
+        branch, [hidden_states, attended], [attn.o_proj, *_post_norms(layer, spec)[:1]], residual=True
     )
-    return out
+    block = functools.partial(_mlp_block, layer, spec)
+    rebuild = functools.partial(_rebuild_residual, branch, tiles)
+    return tiles.run_rebuilt(
+        block,
+        h,
+        rebuild,
+        [hidden_states, attended],
+        [layer.post_attention_layernorm, layer.mlp, *_post_norms(layer, spec)[1:]],
+    )
 
 
 def _before_attention(
@@ -179,18 +191,24 @@ def _before_attention(
     return q.transpose(1, 2), k.transpose(1, 2), v
 
 
-def _after_attention(
-    layer: nn.Module, spec: dict, x: torch.Tensor, attended: torch.Tensor
-) -> tuple[torch.Tensor]:
-    """One tile from the layer's input and attention output to the layer's output."""
-    h = layer.self_attn.o_proj(attended)
-    if spec["post_norms"]:
-        h = layer.post_self_attn_layernorm(h)
-    h = x + h
+def _attention_branch(layer: nn.Module, spec: dict, attended: torch.Tensor) -> tuple[torch.Tensor]:
+    """One tile of what attention adds to the residual: the o-projection (and GLM-4's norm after it)."""
+    out = layer.self_attn.o_proj(attended)
+    return (layer.post_self_attn_layernorm(out) if spec["post_norms"] else out,)
+
+
+def _mlp_block(layer: nn.Module, spec: dict, h: torch.Tensor) -> tuple[torch.Tensor]:
+    """One tile of ``h`` plus the MLP's contribution: norm, MLP (and GLM-4's norm after it)."""
     out = layer.mlp(layer.post_attention_layernorm(h))
-    if spec["post_norms"]:
-        out = layer.post_mlp_layernorm(out)
-    return (h + out,)
+    return (h + (layer.post_mlp_layernorm(out) if spec["post_norms"] else out),)
+
+
+def _rebuild_residual(
+    branch: Callable, tiles: _Tiles, index: int, x: torch.Tensor, attended: torch.Tensor
+) -> torch.Tensor:
+    """Tile ``index`` of ``h = x + branch(attended)`` again, drawing the random numbers its forward drew."""
+    tiles.restore(index)
+    return x + branch(attended)[0]
 
 
 def _qk_norms(attn: nn.Module, spec: dict) -> list[nn.Module]:
@@ -206,21 +224,90 @@ def _trained(*modules: nn.Module) -> list[torch.Tensor]:
     return [param for module in modules for param in module.parameters() if param.requires_grad]
 
 
-def _tiled(
-    step: Callable[..., tuple[torch.Tensor, ...]],
-    tiles: int,
-    inputs: Sequence[torch.Tensor],
-    trained: list[torch.Tensor],
-    layer: nn.Module,
-) -> tuple[torch.Tensor, ...]:
-    """``step`` over ``inputs [B, T, ...]`` in ``tiles`` tiles along the tokens (dim 1), recomputed in backward."""
-    if any(getattr(param, "ds_numel", 0) and not param.numel() for param in trained):
-        raise ModelError(
-            f"training.sequence_tiling: the {type(layer).__name__}'s parameters are partitioned by ZeRO-3 "
-            "inside it; tile the layers (longalign.patch.tile_layers) before DeepSpeed starts, so it gathers "
-            "them for the whole layer"
-        )
-    return _TiledTokens.apply(step, tiles, len(inputs), layer.training, *inputs, *trained)
+class _Tiles:
+    """The tiles of one call of a layer: how many, and the random states its parts' tiles started from.
+
+    In training (where LoRA dropout may draw) each tile's random state is kept, so that a recompute in
+    backward draws what the forward drew, tile by tile, in whatever order backward visits the tiles.
+    """
+
+    def __init__(self, count: int, layer: nn.Module) -> None:
+        self.count, self.layer = count, layer
+        self.branch_states: list | None = None  # the attention branch's, for rebuilding h
+        self.device = torch.device("cpu")
+
+    def trained(self, modules: list[nn.Module]) -> list[torch.Tensor]:
+        trained = _trained(*modules)
+        if any(getattr(param, "ds_numel", 0) and not param.numel() for param in trained):
+            raise ModelError(
+                f"training.sequence_tiling: the {type(self.layer).__name__}'s parameters are partitioned by "
+                "ZeRO-3 inside it; tile the layers (longalign.patch.tile_layers) before DeepSpeed starts, so it "
+                "gathers them for the whole layer"
+            )
+        return trained
+
+    def run(
+        self, step: Callable, inputs: list[torch.Tensor], modules: list[nn.Module], *, residual: bool = False
+    ) -> tuple[torch.Tensor, ...]:
+        """``step`` over ``inputs [B, T, ...]`` tile by tile along the tokens, recomputed in backward.
+
+        With ``residual`` the first input is not passed to ``step`` but added to its first output, and that
+        output's gradient is passed through to it.
+        """
+        trained = self.trained(modules)
+        return _TiledTokens.apply(step, self, len(inputs), residual, *inputs, *trained)
+
+    def run_rebuilt(
+        self,
+        step: Callable,
+        h: torch.Tensor,
+        rebuild: Callable,
+        sources: list[torch.Tensor],
+        modules: list[nn.Module],
+    ) -> torch.Tensor:
+        """``step(h)`` tile by tile, keeping ``sources`` for backward instead of ``h``: ``rebuild(i, *tiles)``
+        makes tile ``i`` of ``h`` from them again."""
+        trained = self.trained(modules)
+        return _TiledRebuilt.apply(step, self, rebuild, len(sources), h, *sources, *trained)
+
+    def new_states(self) -> list | None:
+        return [] if self.layer.training else None
+
+    def restore(self, index: int) -> None:
+        """Set the random state that tile ``index`` of the attention branch started from."""
+        if self.branch_states is not None:
+            _set_rng(self.device, self.branch_states[index])
+
+
+def _set_rng(device: torch.device, state: tuple) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.get_device_module(device).set_rng_state(state[1], device)
+
+
+@contextlib.contextmanager
+def _recompute(device: torch.device, autocast: tuple[bool, torch.dtype], forked: bool):
+    """Run a recompute as the forward ran (same autocast); the random state is restored afterwards."""
+    enabled, dtype = autocast
+    devices = [] if device.type == "cpu" else [device]
+    with (
+        torch.random.fork_rng(devices=devices, enabled=forked, device_type=device.type),
+        torch.autocast(device.type, dtype=dtype, enabled=enabled),
+    ):
+        yield
+
+
+def _sum_into(sums: list[torch.Tensor | None], grads: list[torch.Tensor | None]) -> None:
+    for i, grad in enumerate(grads):
+        if grad is not None:
+            # Summed in at least float32: bfloat16 partial sums would round once per tile.
+            grad = grad.to(torch.promote_types(grad.dtype, torch.float32))
+            sums[i] = grad if sums[i] is None else sums[i].add_(grad)
+
+
+def _param_grads(params: tuple, wanted: tuple, sums: list) -> list[torch.Tensor | None]:
+    by_param = iter(sums)
+    return [_cast(next(by_param), p.dtype) if w else None for p, w in zip(params, wanted, strict=True)]
 
 
 class _TiledTokens(torch.autograd.Function):
@@ -228,17 +315,24 @@ class _TiledTokens(torch.autograd.Function):
     parameters' gradients summed over the tiles."""
 
     @staticmethod
-    def forward(ctx, step, tiles: int, count: int, training: bool, *tensors: torch.Tensor):
-        inputs = tensors[:count]
-        ctx.step, ctx.tiles, ctx.count, ctx.params = step, tiles, count, tensors[count:]
+    def forward(ctx, step, tiles: _Tiles, count: int, residual: bool, *tensors: torch.Tensor):
+        inputs, ctx.params = tensors[:count], tensors[count:]
+        stepped = inputs[1:] if residual else inputs
+        ctx.step, ctx.tiles, ctx.count, ctx.residual = step, tiles, count, residual
         device = inputs[0].device
         ctx.autocast = _autocast_state(device.type)
-        ctx.rng = _rng_state(device) if training else None
-        ctx.save_for_backward(*inputs)
+        ctx.states = tiles.new_states()
+        if residual:
+            tiles.branch_states, tiles.device = ctx.states, device
+        ctx.save_for_backward(*stepped)
         length = inputs[0].shape[1]
         outputs: list[torch.Tensor] = []
-        for start, stop in _bounds(length, tiles):
-            ys = step(*(x[:, start:stop] for x in inputs))
+        for start, stop in _bounds(length, tiles.count):
+            if ctx.states is not None:
+                ctx.states.append(_rng_state(device))
+            ys = list(step(*(x[:, start:stop] for x in stepped)))
+            if residual:
+                ys[0] = inputs[0][:, start:stop] + ys[0]
             if not outputs:  # one buffer per output, not a list of tiles and their concatenation
                 outputs = [y.new_empty((y.shape[0], length, *y.shape[2:])) for y in ys]
             for out, y in zip(outputs, ys, strict=True):
@@ -247,17 +341,21 @@ class _TiledTokens(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_outputs: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        inputs = ctx.saved_tensors
-        wants = ctx.needs_input_grad[4 : 4 + ctx.count]
+        stepped = ctx.saved_tensors
+        wanted_inputs = ctx.needs_input_grad[4 : 4 + ctx.count]
+        wants = wanted_inputs[1:] if ctx.residual else wanted_inputs
         wanted_params = ctx.needs_input_grad[4 + ctx.count :]
         trained = [param for param, wanted in zip(ctx.params, wanted_params, strict=True) if wanted]
-        grads_in = [torch.empty_like(x) if wanted else None for x, wanted in zip(inputs, wants, strict=True)]
+        grads_in = [torch.empty_like(x) if wanted else None for x, wanted in zip(stepped, wants, strict=True)]
         sums: list[torch.Tensor | None] = [None] * len(trained)
-        with _replay(inputs[0].device, ctx.autocast, ctx.rng):
-            for start, stop in _bounds(inputs[0].shape[1], ctx.tiles):
+        device = stepped[0].device
+        with _recompute(device, ctx.autocast, ctx.states is not None):
+            for index, (start, stop) in enumerate(_bounds(stepped[0].shape[1], ctx.tiles.count)):
+                if ctx.states is not None:
+                    _set_rng(device, ctx.states[index])
                 tiles = [
                     x[:, start:stop].detach().requires_grad_(wanted)
-                    for x, wanted in zip(inputs, wants, strict=True)
+                    for x, wanted in zip(stepped, wants, strict=True)
                 ]
                 with torch.enable_grad():
                     ys = ctx.step(*tiles)
@@ -272,18 +370,59 @@ class _TiledTokens(torch.autograd.Function):
                 for grad_in, wanted in zip(grads_in, wants, strict=True):
                     if wanted:
                         grad = next(by_input)
-                        if grad is None:
-                            grad_in[:, start:stop] = 0
-                        else:
-                            grad_in[:, start:stop] = grad
-                for i, grad in enumerate(by_input):
-                    if grad is not None:
-                        # Summed in at least float32: bfloat16 partial sums would round once per tile.
-                        grad = grad.to(torch.promote_types(grad.dtype, torch.float32))
-                        sums[i] = grad if sums[i] is None else sums[i].add_(grad)
-        by_param = iter(sums)
-        param_grads = [
-            _cast(next(by_param), param.dtype) if wanted else None
-            for param, wanted in zip(ctx.params, wanted_params, strict=True)
-        ]
-        return None, None, None, None, *grads_in, *param_grads
+                        grad_in[:, start:stop] = 0 if grad is None else grad
+                _sum_into(sums, list(by_input))
+        # The residual input's gradient is its sum's: passed on as it came, no copy.
+        passed = [grad_outputs[0] if wanted_inputs[0] else None] if ctx.residual else []
+        return None, None, None, None, *passed, *grads_in, *_param_grads(ctx.params, wanted_params, sums)
+
+
+class _TiledRebuilt(torch.autograd.Function):
+    """``step(h)`` tile by tile; backward rebuilds each tile of ``h`` from the kept sources, recomputes the
+    tile, and returns ``h``'s gradient and the trained parameters' (summed over the tiles)."""
+
+    @staticmethod
+    def forward(ctx, step, tiles: _Tiles, rebuild, count: int, h: torch.Tensor, *tensors: torch.Tensor):
+        sources, ctx.params = tensors[:count], tensors[count:]
+        ctx.step, ctx.tiles, ctx.rebuild, ctx.count = step, tiles, rebuild, count
+        ctx.autocast = _autocast_state(h.device.type)
+        ctx.states = tiles.new_states()
+        ctx.save_for_backward(*sources)
+        out = h  # each tile of the output replaces its tile of h, which nothing keeps: no second buffer
+        for start, stop in _bounds(h.shape[1], tiles.count):
+            if ctx.states is not None:
+                ctx.states.append(_rng_state(h.device))
+            (y,) = step(h[:, start:stop])
+            if y.dtype != out.dtype:
+                out = y.new_empty((y.shape[0], h.shape[1], *y.shape[2:]))
+            out[:, start:stop] = y
+        if out is h:
+            ctx.mark_dirty(h)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        sources = ctx.saved_tensors
+        wants_h = ctx.needs_input_grad[4]
+        wanted_params = ctx.needs_input_grad[5 + ctx.count :]
+        trained = [param for param, wanted in zip(ctx.params, wanted_params, strict=True) if wanted]
+        grad_h = torch.empty_like(grad_out) if wants_h else None
+        sums: list[torch.Tensor | None] = [None] * len(trained)
+        device = grad_out.device
+        with _recompute(device, ctx.autocast, ctx.states is not None):
+            for index, (start, stop) in enumerate(_bounds(grad_out.shape[1], ctx.tiles.count)):
+                with torch.no_grad():
+                    h = ctx.rebuild(index, *(x[:, start:stop] for x in sources))
+                if ctx.states is not None:
+                    _set_rng(device, ctx.states[index])
+                h.requires_grad_(wants_h)
+                with torch.enable_grad():
+                    (y,) = ctx.step(h)
+                grads = torch.autograd.grad(
+                    y, ([h] if wants_h else []) + trained, grad_out[:, start:stop], allow_unused=True
+                )
+                if wants_h:
+                    grad_h[:, start:stop] = grads[0]
+                _sum_into(sums, list(grads[wants_h:]))
+        nones = [None] * ctx.count
+        return None, None, None, None, grad_h, *nones, *_param_grads(ctx.params, wanted_params, sums)
