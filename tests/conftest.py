@@ -40,11 +40,8 @@ from transformers import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-# tests/test_docs.py's account of the commands README.md and docs/ show, printed at the end of the run. A test
-# hands it over as a user property, which reaches the process that prints the summary under pytest-xdist too;
-# the account of the commands that ran replaces the plain list of them.
-DOCS_PLANNED, DOCS_RAN = "docs_commands_planned", "docs_commands_ran"
-_DOCS_REPORTS: dict[str, str] = {}
+# tests/test_docs.py's account of the commands README.md and docs/ show, printed at the end of the run.
+DOCS_REPORT = pytest.StashKey[str]()
 TOKENIZER = ROOT / "data" / "tokenizer"
 SAMPLE = ROOT / "data" / "sample.jsonl"
 DEMO = ROOT / "configs" / "demo.toml"
@@ -412,21 +409,9 @@ def glm_tokenizer(base_tokenizer):
     return tok
 
 
-def pytest_configure(config):
-    """Under pytest-xdist each worker runs one torch thread: two workers share the two cores of the machine."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        torch.set_num_threads(1)
-
-
-def pytest_runtest_logreport(report):
-    for name, value in report.user_properties:
-        if name in (DOCS_PLANNED, DOCS_RAN):
-            _DOCS_REPORTS[name] = value
-
-
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """The documented commands: how many ran, and why each of the others does not (tests/test_docs.py)."""
-    report = _DOCS_REPORTS.get(DOCS_RAN) or _DOCS_REPORTS.get(DOCS_PLANNED)
+    report = config.stash.get(DOCS_REPORT, None)
     if report:
         terminalreporter.write_sep("-", "commands in README.md and docs/")
         terminalreporter.write_line(report)

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import DOCS_PLANNED, DOCS_RAN, ROOT, run_process
+from conftest import DOCS_REPORT, ROOT, run_process
 from docs_commands import (
     COMMAND_LANGUAGES,
     NEEDS,
@@ -244,16 +244,14 @@ def test_every_block_has_a_language_and_every_marker_a_known_reason(request):
             plans.append(found)
     assert not bad, "\n".join(bad)
     assert any(p.why_not == "the test command: .ci/run runs it verbatim" for p in plans)
-    request.node.user_properties.append((DOCS_PLANNED, report(plans, None)))
+    request.config.stash.setdefault(DOCS_REPORT, report(plans, None))
 
 
 def test_the_readme_test_command_is_the_one_ci_runs():
     readme = commands_in((ROOT / "README.md").read_text(encoding="utf-8"), "README.md")
     tests = [c.text for c in readme if "pytest" in c.text]
     assert tests == [ci_command()]
-    assert tests[0].endswith(
-        "&& .venv/bin/python -m pytest -q -n auto --dist loadfile && .venv/bin/mkdocs build --strict"
-    )
+    assert tests[0].endswith("&& .venv/bin/python -m pytest -q && .venv/bin/mkdocs build --strict")
     demo = [c.text for c in readme if c.text.endswith("bash scripts/demo.sh")]
     assert len(demo) == 1 and demo[0].startswith(
         "python3 -m venv .venv && .venv/bin/pip install torch==2.13.0"
@@ -472,7 +470,7 @@ def test_every_documented_command_runs(scratch, request):
                     f"{p.command.where}: exit {status}, expected {p.command.expected_status}: {p.command.text}\n"
                     + output[-3000:]
                 )
-    request.node.user_properties.append((DOCS_RAN, report(plans, results)))
+    request.config.stash[DOCS_REPORT] = report(plans, results)
     assert not failures, "\n\n".join(failures)
     made = json.loads((scratch / "out" / "gen" / "report.json").read_text())  # the README's first command
     assert made["samples"]["made"] > 0 and stub.calls > 0
