@@ -753,27 +753,20 @@ def format_simulation(rows: list[dict[str, Any]], setup: Setup) -> str:
 
 def verdict(row: Mapping[str, Any], setup: Setup) -> str:
     """``1m: fits 80.00 GiB per GPU (11.88 GiB left); host 1.02 TiB per node of 2.00 TiB: fits (...)``."""
-    parts = []
-    if setup.gpu_memory is not None:
-        room = setup.gpu_memory - row["peak"]
-        state = "fits" if room >= 0 else "does not fit"
-        parts.append(
-            f"peak {format_bytes(row['peak'])} per GPU {state} {format_bytes(setup.gpu_memory)} "
-            f"({format_bytes(abs(room))} {'left' if room >= 0 else 'over'})"
-        )
-    else:
-        parts.append(f"peak {format_bytes(row['peak'])} per GPU")
-    host = row["host_per_node"]
-    if setup.host_memory is not None:
-        room = setup.host_memory - host
-        state = "fits" if room >= 0 else "does not fit"
-        parts.append(
-            f"host {format_bytes(host)} per node {state} {format_bytes(setup.host_memory)} "
-            f"({format_bytes(abs(room))} {'left' if room >= 0 else 'over'})"
-        )
-    else:
-        parts.append(f"host {format_bytes(host)} per node")
+    parts = [
+        _fit(f"peak {format_bytes(row['peak'])} per GPU", row["peak"], setup.gpu_memory),
+        _fit(f"host {format_bytes(row['host_per_node'])} per node", row["host_per_node"], setup.host_memory),
+    ]
     return f"{format_length(row['length'])}: " + "; ".join(parts)
+
+
+def _fit(what: str, used: float, capacity: int | None) -> str:
+    """``what``, and whether ``used`` bytes fit ``capacity`` (by how much); ``what`` alone without one."""
+    if capacity is None:
+        return what
+    room = capacity - used
+    state = "fits" if room >= 0 else "does not fit"
+    return f"{what} {state} {format_bytes(capacity)} ({format_bytes(abs(room))} {'left' if room >= 0 else 'over'})"
 
 
 def accelerate_environment(path: str | os.PathLike) -> tuple[dict[str, str], int | None]:
