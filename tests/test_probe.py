@@ -404,13 +404,13 @@ WIDE_MLP = (
 @pytest.mark.parametrize(
     "mlp", ["training.tiled_mlp=false", "training.tiled_mlp=true"], ids=["plain", "tiled"]
 )
-def test_the_plan_from_8k_and_16k_predicts_the_peak_measured_at_32k(tmp_path, mlp):
+def test_the_plan_from_4k_and_8k_predicts_the_peak_measured_at_16k(tmp_path, mlp):
     result, report = probe(
-        tmp_path, "plan", "--lengths", "8k,16k,32k", "--plan", "32k,64k", "--gpu-memory", "3GiB", WIDE_MLP,
+        tmp_path, "plan", "--lengths", "4k,8k,16k", "--plan", "16k,32k", "--gpu-memory", "3GiB", WIDE_MLP,
         "training.activation_checkpointing=true", mlp,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
-    at_32k, at_64k = report["plan"]
-    assert at_32k["from"] == [8192, 16384] and at_64k["from"] == [16384, 32768]
-    assert abs(at_32k["peak"] / at_32k["measured"] - 1) < 0.10, result.stdout
+    at_16k, at_32k = report["plan"]
+    assert at_16k["from"] == [4096, 8192] and at_32k["from"] == [8192, 16384]
+    assert abs(at_16k["peak"] / at_16k["measured"] - 1) < 0.10, result.stdout
     assert "plan: peak per GPU on 1 GPU(s) of 3.00 GiB" in result.stdout

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -17,32 +18,29 @@ pytestmark = pytest.mark.integration
 
 def test_train_save_resume_reload(tokenized_sample, tmp_path):
     tokenized = tokenized_sample
-    constant = "training.lr_scheduler_type='constant'"  # the same schedule whether a run stops at 4 or 6
     straight = tmp_path / "straight"
-    train_demo(tokenized, straight, "training.max_steps=6", constant, f"data.eval_file={tokenized}")
+    train_demo(tokenized, straight, "training.max_steps=4", f"data.eval_file={tokenized}")  # saves at 2 and 4
     expected = step_losses(straight)
-    assert sorted(expected) == [1, 2, 3, 4, 5, 6]
+    assert sorted(expected) == [1, 2, 3, 4]
 
-    # Stop after 4 steps (checkpoints at 2 and 4), then resume from the last checkpoint up to 6.
+    # A run stopped after its checkpoint at step 2, resumed from its last checkpoint up to 4.
     resumed = tmp_path / "resumed"
-    train_demo(tokenized, resumed, "training.max_steps=4", constant)
-    train_demo(tokenized, resumed, "training.max_steps=6", constant, "training.resume_from_checkpoint='last'")
+    shutil.copytree(straight / "checkpoint-2", resumed / "checkpoint-2")
+    train_demo(tokenized, resumed, "training.max_steps=4", "training.resume_from_checkpoint='last'")
     got = step_losses(resumed)
-    assert sorted(got) == [1, 2, 3, 4, 5, 6]
-    for step in (5, 6):  # the same packs in the same order after the resume, so the same losses
+    assert sorted(got) == [1, 2, 3, 4]
+    for step in (3, 4):  # the same packs in the same order after the resume, so the same losses
         assert got[step] == pytest.approx(expected[step], rel=1e-4)
-    record = json.loads((resumed / "checkpoint-6" / "longalign_checkpoint.json").read_text())
+    record = json.loads((resumed / "checkpoint-4" / "longalign_checkpoint.json").read_text())
     assert record["complete"] and record["decides"]["loss.weighting"] == "sequence_level"
 
     # A save cut short (no record) is not resumed from: the newest complete checkpoint is.
-    (resumed / "checkpoint-6" / "longalign_checkpoint.json").unlink()
-    result = train_demo(
-        tokenized, resumed, "training.max_steps=7", constant, "training.resume_from_checkpoint='last'"
-    )
-    assert step_losses(resumed)[5] == pytest.approx(expected[5], rel=1e-4)  # steps 5 and 6 again, from 4
+    (resumed / "checkpoint-4" / "longalign_checkpoint.json").unlink()
+    train_demo(tokenized, resumed, "training.max_steps=4", "training.resume_from_checkpoint='last'")
+    assert step_losses(resumed)[3] == pytest.approx(expected[3], rel=1e-4)  # steps 3 and 4 again, from 2
     # Another weighting would change the loss of the resumed steps: refused in one line, naming it.
     result = train_demo(
-        tokenized, resumed, "training.max_steps=8", "training.resume_from_checkpoint='last'",
+        tokenized, resumed, "training.max_steps=6", "training.resume_from_checkpoint='last'",
         "loss.weighting='token_level'", status=2,
     )  # fmt: skip
     assert "loss.weighting 'sequence_level' -> 'token_level'" in result.stderr
@@ -67,7 +65,7 @@ def test_train_save_resume_reload(tokenized_sample, tmp_path):
     assert evals and evals[-1]["eval_samples"] == kept
 
     model = AutoModelForCausalLM.from_pretrained(straight)
-    assert (straight / "checkpoint-6").is_dir()
+    assert (straight / "checkpoint-4").is_dir()
     ids = torch.tensor([[4088, 5, 6, 7]])
     assert model(input_ids=ids).logits.shape == (1, 4, 4096)
     assert AutoTokenizer.from_pretrained(straight).chat_template
