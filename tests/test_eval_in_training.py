@@ -50,8 +50,8 @@ from longalign.trainer import LongAlignTrainer
 
 # 2 lengths x 3 depths: 6 prompts in 5 rows of up to 307 tokens (the two shortest share one), so on 2
 # ranks one rank has a row fewer and repeats one in lockstep.
-GRID = {"lengths": [100, 300], "depths": [0, 50, 100], "samples_per_cell": 1}
-COMMAND_GRID = ["--lengths", "100,300", "--depths", "0,50,100", "--samples-per-cell", "1"]
+GRID = {"lengths": [110, 300], "depths": [0, 50, 100], "samples_per_cell": 1}
+COMMAND_GRID = ["--lengths", "110,300", "--depths", "0,50,100", "--samples-per-cell", "1"]
 
 # Each task of these tests: its [eval_tasks] table and the command's flags for the same prompts.
 RUN_TASKS = {
@@ -144,7 +144,7 @@ def test_prompts_that_do_not_fit_name_the_key(tokenizer):
         build_tasks(
             EvalTasksConfig(needle={"every_steps": 1, "lengths": [20]}), tokenizer, context_limit=None
         )
-    with pytest.raises(ConfigError, match="eval_tasks.ruler.lengths 300: too short for vt"):
+    with pytest.raises(ConfigError, match="eval_tasks.ruler.lengths 300: too short for niah_multikey_1"):
         build_tasks(
             EvalTasksConfig(ruler={"every_steps": 1, "lengths": [300]}), tokenizer, context_limit=None
         )

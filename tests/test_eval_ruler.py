@@ -20,7 +20,8 @@ from longalign.cli import main
 from longalign.errors import ConfigError, InputError
 from longalign.eval import needle as nd
 from longalign.eval import ruler
-from longalign.eval.models import Reply, template_frame
+from longalign.eval.models import Reply, chat_frame
+from longalign.labels import tokenize_conversation
 
 KEY = "sk-ruler-test-77c1"
 SYNTHETIC = [t for t, task in ruler.TASKS.items() if task.family != "qa"]
@@ -207,20 +208,50 @@ def solve(content: str, *, first_half: bool = False) -> str:
 
 
 @pytest.mark.parametrize("name", ["llama3", "glm4", "chatml", "metaspace"])
-def test_every_task_and_length_is_exact_with_the_chat_template_and_the_prefix(tokenizers, qa_data, name):
+def test_every_prompt_and_its_budget_make_the_length_and_the_chat_is_encoded_once(tokenizers, qa_data, name):
     tok = tokenizers[name]
-    before, after = template_frame(tok)
-    for prefixed in (False, True):
-        cases = build(
-            tok, qa_data, lengths=[1000, 1777, 5000], samples_per_task=1, with_answer_prefix=prefixed
-        )
+    frame = chat_frame(tok)
+    for prefix_in in ("assistant", "user"):
+        cases = build(tok, qa_data, lengths=[1000, 1777, 5000], samples_per_task=1, prefix_in=prefix_in)
         assert len(cases) == 3 * len(ruler.TASKS)
-        assert [len(c.prompt.input_ids) for c in cases] == [c.length for c in cases]
         for case in cases:
-            ids = case.prompt.input_ids
-            assert ids[: len(before)] == before
-            prefix = tok(case.answer_prefix, add_special_tokens=False).input_ids if prefixed else []
-            assert ids[len(ids) - len(prefix) - len(after) :] == [*after, *prefix], (name, case.task)
+            used = len(case.prompt.input_ids) + case.new_tokens
+            if case.task.startswith("qa"):  # whole documents, as RULER: it may fall short, never over
+                assert used <= case.length, (name, case.task)
+            elif name == "metaspace":  # a merge can skip the count: then the longest under it
+                assert case.length - 3 <= used <= case.length, (name, case.task)
+            else:
+                assert used == case.length, (name, case.task)
+        assert [c.new_tokens for c in cases[::3]] == [t.new_tokens for t in ruler.TASKS.values()]
+        for case in cases:
+            content = case.prompt.messages[0]["content"]
+            after = case.answer_prefix if prefix_in == "assistant" else ""
+            assert content.endswith(case.answer_prefix) == (prefix_in == "user"), (name, case.task)
+            text = frame.before + content + frame.after + after
+            assert case.prompt.input_ids == tok(text, add_special_tokens=False).input_ids, (name, case.task)
+
+
+@pytest.mark.parametrize("name", ["llama3", "glm4"])
+def test_local_prompts_are_the_ids_pre_tokenize_gives_the_same_chat(tokenizers, name):
+    """needle, ruler and chat prompts (and [eval_tasks], built by the same functions) begin the token
+    sequence that pre-tokenize makes of the chat they ask for, answered."""
+    tok = tokenizers[name]
+    needles = nd.build_cases(tok, nd.haystack_pool(tok, None, seed=0), lengths=[300], depths=[0, 50], samples=1,
+                             seed=0)  # fmt: skip
+    tasks = ["niah_single_1", "niah_multiquery", "vt", "cwe", "fwe"]
+    rulers = ruler.build_instances(tok, tasks=tasks, lengths=[1000], samples_per_task=1, seed=0)
+    chat = chat_frame(tok).prompt("What does zip do?\n\nAnswer in one line.")
+    asked = [(c.prompt, "", c.answer) for c in needles]  # (prompt, its answer prefix, a reply)
+    asked += [(c.prompt, c.answer_prefix, f"{c.answer_prefix} {', '.join(c.references)}") for c in rulers]
+    asked += [(chat, "", "It pairs items.")]
+    for prompt, after, reply in asked:
+        ids = prompt.input_ids
+        text = tok.apply_chat_template(prompt.messages, tokenize=False, add_generation_prompt=True) + after
+        assert ids == tok(text, add_special_tokens=False).input_ids  # the rendered chat, encoded once
+        chat_ids, _ = tokenize_conversation(tok, [*prompt.messages, {"role": "assistant", "content": reply}])
+        # pre-tokenize's ids of the answered chat: the same, but the last token, which training can merge
+        # with the answer ('\n\n' + 'The' is '\n', '\n', 'The' to the shipped tokenizer)
+        assert chat_ids[: len(ids) - 1] == ids[:-1], prompt.messages[0]["content"][:60]
 
 
 def test_the_references_are_found_in_the_prompt_and_the_needles_where_the_offsets_say(tokenizers, qa_data):
@@ -231,8 +262,9 @@ def test_the_references_are_found_in_the_prompt_and_the_needles_where_the_offset
             ids = case.prompt.input_ids
             for offset, reference in zip(case.needle_offsets, case.references, strict=False):
                 shown = tok.decode(ids[offset : offset + 80])
-                if ruler.TASKS[case.task].family == "niah":
-                    assert NEEDLE.match(shown.strip()) and reference in shown, (name, case.task, shown)
+                if ruler.TASKS[case.task].family == "niah":  # the needle starts in the first token shown
+                    found = NEEDLE.search(shown)
+                    assert found and found.start() <= 3 and reference in shown, (name, case.task, shown)
                 elif case.task == "vt":
                     assert shown.strip().startswith(f"VAR {reference} ="), (name, shown)
                 else:
@@ -360,7 +392,9 @@ def test_a_server_that_solves_each_task_scores_100_everywhere(tmp_path, qa_files
     assert len(rows) == len(requests) == len(ruler.TASKS) * 2 * 3
     assert {r["task"] for r in rows} == set(ruler.TASKS)
     assert all(r["score"] == 100.0 for r in rows)
-    assert [r["prompt_tokens"] for r in rows] == [r["length"] for r in rows]
+    for r in rows:  # QA keeps whole documents: it may fall short
+        assert r["prompt_tokens"] + r["new_tokens"] == r["length"] or r["task"].startswith("qa"), r
+        assert r["prompt_tokens"] + r["new_tokens"] <= r["length"], r
     assert set(rows[0]) >= {
         "task",
         "length",
@@ -378,7 +412,7 @@ def test_a_server_that_solves_each_task_scores_100_everywhere(tmp_path, qa_files
     assert {p.name for p in out.iterdir()} >= {"results.jsonl", "summary.json", "summary.csv", "ruler.png",
                                                "run_config.json"}  # fmt: skip
     record = json.loads((out / "run_config.json").read_text())
-    assert record["qa_skipped"] == {"squad": 24, "hotpot": 0} and record["answer_prefix"] is False
+    assert record["qa_skipped"] == {"squad": 24, "hotpot": 0} and record["answer_prefix_in"] == "user message"
     assert KEY not in (out / "run_config.json").read_text()
     assert "effective length 2000 (threshold 85.6)" in capsys.readouterr().out
 
@@ -399,9 +433,9 @@ def test_a_server_that_reads_only_the_first_half_loses_the_needles_of_the_second
         if r["task"] in single:
             depth = r["needle_offsets"][0] / r["prompt_tokens"]
             by_depth.setdefault(min(int(10 * depth), 9), []).append(r["score"])
-            if depth < 0.4:
+            if depth < 0.3:
                 assert r["score"] == 100.0, r
-            elif depth > 0.6:
+            elif depth > 0.7:
                 assert r["score"] == 0.0, r
     means = [sum(by_depth[d]) / len(by_depth[d]) for d in sorted(by_depth)]
     assert means[0] == 100.0 and means[-1] < 30.0
@@ -504,7 +538,7 @@ def test_only_tasks_whose_answer_has_one_order_are_teacher_forced(tokenizer, qa_
     assert ruler.select_tasks(None, logprob=True) == [t for t in ordered if t != "qa_hotpot"]
     with pytest.raises(ConfigError, match="cwe: the answer has no one order to teacher-force"):
         ruler.select_tasks("vt,cwe", logprob=True)
-    for case in build(tokenizer, qa_data, with_answer_prefix=True):
+    for case in build(tokenizer, qa_data, prefix_in="assistant"):
         assert (case.answer_ids is None) == (case.task not in ordered)
         if case.answer_ids is not None:  # each reference's tokens, where the spans say
             for (a, b), reference in zip(case.reference_spans, case.references, strict=True):
@@ -512,7 +546,7 @@ def test_only_tasks_whose_answer_has_one_order_are_teacher_forced(tokenizer, qa_
 
 
 def test_a_reference_counts_when_each_of_its_tokens_is_the_most_likely(tokenizer):
-    case = one(tokenizer, "niah_multiquery", 900, with_answer_prefix=True)
+    case = one(tokenizer, "niah_multiquery", 900, prefix_in="assistant")
     predicted = list(case.answer_ids)
     a, _ = case.reference_spans[2]
     predicted[a] = (predicted[a] + 1) % 4096
@@ -522,10 +556,10 @@ def test_a_reference_counts_when_each_of_its_tokens_is_the_most_likely(tokenizer
 
 def test_packed_scoring_equals_one_prompt_at_a_time_and_the_plain_model(tokenizer, qa_data):
     tasks = ruler.select_tasks(None, hotpot=qa_data["hotpot"], logprob=True)
-    cases = build(tokenizer, qa_data, tasks=tasks, lengths=[520], samples_per_task=1, with_answer_prefix=True)
+    cases = build(tokenizer, qa_data, tasks=tasks, lengths=[520], samples_per_task=1, prefix_in="assistant")
     sequences = [(c.prompt.input_ids, c.answer_ids) for c in cases]
-    assert len(nd.pack_rows([len(p) + len(a) - 1 for p, a in sequences], 2000)) == 4  # 10 prompts in 4 rows
-    assert_packed_scoring_is_exact(sequences, pack_tokens=2000)
+    assert len(nd.pack_rows([len(p) + len(a) - 1 for p, a in sequences], 1300)) == 4  # 10 prompts in 4 rows
+    assert_packed_scoring_is_exact(sequences, pack_tokens=1300)
 
 
 @pytest.fixture(scope="module")
@@ -535,14 +569,14 @@ def saved_model(tmp_path_factory):
 
 def test_logprob_scores_from_the_command_line_equal_scoring_the_instances(saved_model, tokenizer, tmp_path):
     out = tmp_path / "lp"
-    args = ["eval", "ruler", "--model", str(saved_model), "--score", "logprob", "--lengths", "450,520",
+    args = ["eval", "ruler", "--model", str(saved_model), "--score", "logprob", "--lengths", "500,560",
             "--samples-per-task", "1", "--attn-backend", "sdpa_segments", "--pack-tokens", "1500", "--output", str(out)]  # fmt: skip
     assert main(args) == 0
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     tasks = ruler.select_tasks(None, logprob=True)
     assert [r["task"] for r in rows][::2] == tasks and len(rows) == 2 * len(tasks)
-    cases = ruler.build_instances(tokenizer, tasks=tasks, lengths=[450, 520], samples_per_task=1, seed=0,
-                                  with_answer_prefix=True)  # fmt: skip
+    cases = ruler.build_instances(tokenizer, tasks=tasks, lengths=[500, 560], samples_per_task=1, seed=0,
+                                  prefix_in="assistant")  # fmt: skip
     from longalign.eval.models import load_model
 
     model = load_model(str(saved_model), packed=True, attn_backend="sdpa_segments")
@@ -561,7 +595,10 @@ def test_local_generation_ends_each_prompt_with_the_answer_prefix(saved_model, t
             "--tasks", "niah_single_1,vt", "--max-new-tokens", "3", "--output", str(out)]  # fmt: skip
     assert main(args) == 0
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert [(r["task"], r["prompt_tokens"]) for r in rows] == [("niah_single_1", 500), ("vt", 500)]
+    assert [(r["task"], r["prompt_tokens"]) for r in rows] == [("niah_single_1", 497), ("vt", 497)]
     assert all(r["output"] and r["score"] in (0.0, 100.0) for r in rows)
     record = json.loads((out / "run_config.json").read_text())
-    assert record["answer_prefix"] is True and record["new_tokens"] == {"niah_single_1": 3, "vt": 3}
+    assert record["answer_prefix_in"] == "assistant turn" and record["new_tokens"] == {
+        "niah_single_1": 3,
+        "vt": 3,
+    }

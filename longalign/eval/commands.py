@@ -284,8 +284,9 @@ class Session:
         self._calls[role] = StoredCalls(self._store, ChatClient(settings), self.answers)
         return self._calls[role]
 
-    def generator(self, lengths: Sequence[int]) -> Generator:
-        """The local or served generator, after checking that the prompts fit the local model."""
+    def generator(self, lengths: Sequence[int], new_tokens: Sequence[int] | None = None) -> Generator:
+        """The local or served generator, after checking that the prompts fit the local model with the tokens
+        each may generate (``new_tokens``, one per prompt; else ``--max-new-tokens``)."""
         from longalign.eval.models import LocalGenerator, ServedGenerator, check_fits, context_limit
 
         if self.settings is not None:
@@ -296,7 +297,11 @@ class Session:
                 seed=self.args.seed,
             )
         model = self.load_model()
-        check_fits(lengths, context_limit(model), new_tokens=self.max_new_tokens)
+        check_fits(
+            lengths,
+            context_limit(model),
+            new_tokens=self.max_new_tokens if new_tokens is None else new_tokens,
+        )
         return LocalGenerator(
             model,
             self.tokenizer,
@@ -319,11 +324,11 @@ class Session:
     def prompts(self, texts: Sequence[str], *, max_length: int | None = None) -> list[Prompt]:
         """One-turn chats of ``texts``: in token ids (middle cut to ``max_length``) with a tokenizer, else text."""
         from longalign.eval.chat import middle_cut_prompt
-        from longalign.eval.models import template_frame, text_prompt
+        from longalign.eval.models import chat_frame, text_prompt
 
         if self.tokenizer is None:
             return [text_prompt(text) for text in texts]
-        frame = template_frame(self.tokenizer)
+        frame = chat_frame(self.tokenizer)
         return [middle_cut_prompt(self.tokenizer, t, max_length=max_length, frame=frame) for t in texts]
 
     def record(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -549,14 +554,15 @@ def _run_ruler(args: argparse.Namespace) -> int:
         haystack=args.haystack,
         squad=squad,
         hotpot=hotpot,
-        # a chat server cannot be handed the start of its answer: served prompts end at the generation prompt
-        with_answer_prefix=args.backend == "transformers",
+        new_tokens=new_tokens,
+        # a chat server writes the generation prompt itself: RULER ends the user's message with the prefix
+        prefix_in="assistant" if args.backend == "transformers" else "user",
     )
     started = time.perf_counter()
     if logprob:
         rows = _teacher_forced(session, cases, row=ruler.logprob_row, progress="ruler (rows)")
     else:
-        generator = session.generator([len(c.prompt.input_ids) for c in cases])
+        generator = session.generator([len(c.prompt.input_ids) for c in cases], [c.new_tokens for c in cases])
 
         def work(mine):
             replies = [None] * len(mine)
@@ -583,7 +589,7 @@ def _run_ruler(args: argparse.Namespace) -> int:
         "tasks": tasks,
         "threshold": threshold,
         "new_tokens": new_tokens,
-        "answer_prefix": args.backend == "transformers",
+        "answer_prefix_in": "assistant turn" if args.backend == "transformers" else "user message",
         "qa_skipped": {name: data.skipped for name, data in (("squad", squad), ("hotpot", hotpot)) if data},
     }
     title = f"{args.model or args.served_model} ({args.score})"

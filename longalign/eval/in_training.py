@@ -132,7 +132,6 @@ class RulerTask:
             seed=settings.seed,
             haystack=Path(settings.haystack) if settings.haystack else None,
             hotpot=hotpot,
-            with_answer_prefix=True,
             lengths_setting="eval_tasks.ruler.lengths",
         )
         self.settings = settings

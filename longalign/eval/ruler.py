@@ -30,13 +30,13 @@ import math
 import random
 import string
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from longalign.errors import ConfigError, InputError, PathError
 from longalign.eval import needle as nd
-from longalign.eval.models import Prompt, Reply, chat_prompt, template_frame
+from longalign.eval.models import Prompt, Reply, chat_frame, fit_length
 
 THRESHOLD = 85.6  # RULER's: Llama-2-7B's average at 4k, the bar for the effective length
 DEPTHS = [round(100 * i / 39) for i in range(40)]  # RULER's needle depths: 40 from 0% to 100%
@@ -81,12 +81,13 @@ class RulerCase:
     """One instance: the prompt, where its needles went, the references that score, the teacher-forced answer."""
 
     task: str
-    length: int  # tokens of the whole prompt (answer prefix included when asked for)
+    length: int  # RULER's length: the prompt's tokens and new_tokens
     sample: int
+    new_tokens: int  # the tokens a reply may have (RULER's budget of the task, unless set)
     prompt: Prompt
     needle_offsets: list[int]  # where each needle, chain assignment or gold document starts; [] for cwe/fwe
     references: list[str]  # the strings a reply is scored on
-    answer_prefix: str  # how the answer begins (the prompt ends with it when asked for)
+    answer_prefix: str  # how the answer begins (the prompt ends with it)
     answer_ids: list[int] | None  # the answer's tokens after the prompt (tasks whose answer has one order)
     reference_spans: list[tuple[int, int]] | None  # where each reference's tokens are in answer_ids
 
@@ -138,15 +139,20 @@ def build_instances(
     haystack: Path | None = None,
     squad: QAData | None = None,
     hotpot: QAData | None = None,
-    with_answer_prefix: bool = False,
+    new_tokens: Mapping[str, int] | None = None,
+    prefix_in: str = "assistant",
     lengths_setting: str = "--lengths",
 ) -> list[RulerCase]:
     """``samples_per_task`` instances of each task at each length, in that order; no model needed.
 
+    A length is RULER's: the prompt and the tokens it may generate (``new_tokens``, by task; RULER's
+    budgets when None), so a 131,072-position model takes the 128k column.
     ``haystack``: the essay text (``.txt`` file or directory; generated filler sentences when None).
     ``squad`` / ``hotpot``: ``read_squad`` / ``read_hotpot`` of the datasets' files, for ``qa_squad`` /
     ``qa_hotpot``.
-    ``with_answer_prefix``: end each prompt with the task's answer prefix (counted in ``length``).
+    ``prefix_in``: where the task's answer prefix goes, as RULER puts it: ``"assistant"`` after the
+    generation prompt (a local model's reply continues it), ``"user"`` at the end of the user's message
+    (a served model, whose server writes the generation prompt).
     Raises ``ConfigError`` naming ``lengths_setting`` when a length cannot hold a task's fixed text.
     """
     unknown = [t for t in tasks if t not in TASKS]
@@ -155,8 +161,11 @@ def build_instances(
     missing = [t for t in tasks if TASKS[t].family == "qa" and {"squad": squad, "hotpot": hotpot}[TASKS[t].source] is None]  # fmt: skip
     if missing:
         raise ConfigError(f"{', '.join(missing)}: needs the dataset (--{TASKS[missing[0]].source} FILE)")
-    builder = _Builder(tokenizer, haystack=haystack, squad=squad, hotpot=hotpot,
-                       seed=seed, with_answer_prefix=with_answer_prefix, lengths_setting=lengths_setting)  # fmt: skip
+    if prefix_in not in ("assistant", "user"):
+        raise ValueError(f"prefix_in: expected 'assistant' or 'user', got {prefix_in!r}")
+    budgets = {t: (new_tokens or {}).get(t, TASKS[t].new_tokens) for t in tasks}
+    builder = _Builder(tokenizer, haystack=haystack, squad=squad, hotpot=hotpot, seed=seed, new_tokens=budgets,
+                       prefix_in=prefix_in, lengths_setting=lengths_setting)  # fmt: skip
     return [
         builder.build(task, length, sample)
         for task in tasks
@@ -311,14 +320,14 @@ _KINDS = {"numbers": ("number", "numbers"), "uuids": ("UUID", "UUIDs")}
 _VT_INTRO = "Keep track of the chain of variable assignments hidden in the text below.\n\n"
 _VT_QUESTION = "\nQuestion: which variables are assigned the value {value} in the text above?"
 _VT_PREFIX = (
-    "Answer: following the assignments in the text above, {count} variables are assigned the value {value}:"
+    " Answer: following the assignments in the text above, {count} variables are assigned the value {value}:"
 )
 _CWE_INTRO = "The numbered list below repeats some words more often than the others. Remember which words occur most often.\n"  # fmt: skip
 _CWE_QUESTION = f"\nQuestion: which {CWE_COMMON} words occur most often in the list above?"
-_CWE_PREFIX = f"Answer: the {CWE_COMMON} words that occur most often in the list are:"
+_CWE_PREFIX = f" Answer: the {CWE_COMMON} words that occur most often in the list are:"
 _FWE_INTRO = "Count how often each coded word occurs in the coded text below; you will be asked for the three most frequent ones.\n"  # fmt: skip
 _FWE_QUESTION = "\nQuestion: leaving out the dots '...', which three coded words occur most often in the coded text above? Answer without explanation."  # fmt: skip
-_FWE_PREFIX = "Answer: the three coded words that occur most often in the text above are:"
+_FWE_PREFIX = " Answer: the three coded words that occur most often in the text above are:"
 _QA_INSTRUCTION = "Answer the question from the documents, with the answer alone and no other words."
 
 _Body = Callable[[int], "tuple[list[int], list[int]] | None"]
@@ -332,7 +341,7 @@ class _Draft:
     tail: str  # the question after it
     prefix: str  # how the answer begins
     references: list[str]
-    body: _Body  # budget -> (exactly budget ids, the needles' offsets in them), or None when it cannot fit
+    body: _Body  # budget -> (budget ids (QA: whole documents, up to budget), the needles' offsets), or None
     ordered: bool  # the references in this order are the teacher-forced answer
     separator: str = ","  # between references in that answer (then a space)
 
@@ -369,17 +378,17 @@ def _insert(units: list[list[int]], tokens: int, pieces: list[list[int]], depths
 class _Builder:
     """What the instances of one ``build_instances`` call share: the tokenizer, its frame, pools, caches."""
 
-    def __init__(self, tokenizer, *, haystack, squad, hotpot, seed, with_answer_prefix, lengths_setting):
+    def __init__(self, tokenizer, *, haystack, squad, hotpot, seed, new_tokens, prefix_in, lengths_setting):
         self.tokenizer = tokenizer
         self.lengths_setting = lengths_setting
-        self.frame = template_frame(tokenizer)
+        self.frame = chat_frame(tokenizer)
+        self.new_tokens = new_tokens
+        self.prefix_in = prefix_in
         self.haystack = haystack
         self.qa_data = {"squad": squad, "hotpot": hotpot}
         self.seed = seed
-        self.with_answer_prefix = with_answer_prefix
         self.families = {"niah": self.niah, "vt": self.vt, "cwe": self.cwe, "fwe": self.fwe, "qa": self.qa}
         self._numbers: list[list[int]] = []  # " 1.", " 2.", ... of the numbered list
-        self._order: dict[str, list[int]] = {}  # each QA task's questions in the order the samples take them
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False).input_ids
@@ -404,32 +413,55 @@ class _Builder:
 
     def build(self, name: str, length: int, sample: int) -> RulerCase:
         task = TASKS[name]
+        new_tokens = self.new_tokens[name]
+        target = length - new_tokens  # RULER's length: the prompt and the tokens it may generate
         rng = random.Random(f"ruler:{self.seed}:{name}:{length}:{sample}")
         draft = self.families[task.family](name, task, length, sample, rng)
-        before, after = self.frame
-        head, tail = self.encode(draft.head), self.encode(draft.tail)
-        prefix = self.encode(draft.prefix) if self.with_answer_prefix else []
-        fixed = len(before) + len(head) + len(tail) + len(after) + len(prefix)
-        body = draft.body(length - fixed) if length > fixed else None
-        if body is None:
+        state = rng.getstate()  # every try at a budget draws the same body
+
+        def text(content: str) -> tuple[str, str]:  # the user's text, and what follows the generation prompt
+            return (content + draft.prefix, "") if self.prefix_in == "user" else (content, draft.prefix)
+
+        def make(budget: int):
+            rng.setstate(state)
+            body = draft.body(budget)
+            if body is None:
+                return None
+            ids, offsets = body
+            shown = nd.decode_text(self.tokenizer, ids)
+            user, after = text(draft.head + shown + draft.tail)
+            prompt_ids, spans = self.frame.encode(user, answer_prefix=after)
+            return prompt_ids, spans, ids, offsets, user
+
+        user, after = text(draft.head + draft.tail)
+        fixed = len(self.frame.encode(user, answer_prefix=after)[0])
+        made = fit_length(make, lambda made: len(made[0]) if made else 0, target, target - fixed)
+        if made is None:
             raise ConfigError(
-                f"{self.lengths_setting} {length}: too short for {name} ({fixed} tokens of instructions and chat template, "
-                f"and the task's text does not fit in the {max(length - fixed, 0)} left)"
+                f"{self.lengths_setting} {length}: too short for {name} ({fixed} tokens of instructions and chat "
+                f"template, {new_tokens} to generate, and the task's text does not fit in the "
+                f"{max(target - fixed, 0)} left)"
             )
-        ids, offsets = body
-        assert len(ids) == length - fixed, (name, len(ids), length - fixed)
-        prompt = chat_prompt(self.tokenizer, [*head, *ids, *tail], frame=self.frame)
-        answer_ids, spans = self.answer(draft.references, draft.separator) if draft.ordered else (None, None)
+        prompt_ids, spans, body_ids, body_offsets, user = made
+        start = len(self.frame.before) + len(draft.head)
+        needle_offsets = []
+        for at in body_offsets:  # the token of the prompt where each needle's text begins
+            char = start + len(nd.decode_text(self.tokenizer, body_ids[:at]))
+            needle_offsets.append(next(i for i, (_, end) in enumerate(spans) if end > char))
+        answer_ids, reference_spans = (
+            self.answer(draft.references, draft.separator) if draft.ordered else (None, None)
+        )
         return RulerCase(
             task=name,
             length=length,
             sample=sample,
-            prompt=Prompt(input_ids=[*prompt.input_ids, *prefix], messages=prompt.messages),
-            needle_offsets=[len(before) + len(head) + at for at in offsets],
+            new_tokens=new_tokens,
+            prompt=Prompt(input_ids=prompt_ids, messages=[{"role": "user", "content": user}]),
+            needle_offsets=needle_offsets,
             references=draft.references,
             answer_prefix=draft.prefix,
             answer_ids=answer_ids,
-            reference_spans=spans,
+            reference_spans=reference_spans,
         )
 
     def answer(self, references: list[str], separator: str) -> tuple[list[int], list[tuple[int, int]]]:
@@ -477,11 +509,11 @@ class _Builder:
         if task.values * task.queries == 1:
             head = f"A special magic {one} is hidden in the text below. Remember it: a question about it follows the text.\n"  # fmt: skip
             tail = f"\nQuestion: which special magic {one} of {query} appears in the text above?"
-            prefix = f"The special magic {one} of {query} in the text above is"
+            prefix = f" The special magic {one} of {query} in the text above is"
         else:
             head = f"Special magic {many} are hidden in the text below. Remember them: a question about them follows the text.\n"  # fmt: skip
             tail = f"\nQuestion: which special magic {many} of {query} appear in the text above? Give all of them."
-            prefix = f"The special magic {many} of {query} in the text above are"
+            prefix = f" The special magic {many} of {query} in the text above are"
         references = [values[k][v] for k, v in wanted]
         return _Draft(head, tail, prefix, references, body, ordered=task.one_order)
 
@@ -603,10 +635,7 @@ class _Builder:
 
     def qa(self, name: str, task: Task, length: int, sample: int, rng: random.Random) -> _Draft:
         data = self.qa_data[task.source]
-        if name not in self._order:  # the same questions at every length
-            self._order[name] = random.Random(f"ruler:{self.seed}:{name}:questions").sample(range(len(data.questions)), len(data.questions))  # fmt: skip
-        order = self._order[name]
-        question = data.questions[order[sample % len(order)]]
+        question = data.questions[sample % len(data.questions)]  # RULER's: the file's first ones, in order
         blank = self.encode("\n\n")
         header = lambda i: (blank if i > 1 else []) + self.encode(f"Document {i}:\n")  # noqa: E731
 
@@ -626,16 +655,16 @@ class _Builder:
                 cost += more
             rng.shuffle(chosen)
             out, gold = [], []
-            for i, doc in enumerate([*chosen, extra]):  # the one that did not fit is cut
+            for i, doc in enumerate(chosen):  # whole documents only, as RULER: the prompt may fall short
                 out += blank if i else []
-                if i < len(chosen) and doc in question.gold:
+                if doc in question.gold:
                     gold.append(len(out))
                 out += [*self.encode(f"Document {i + 1}:\n"), *texts[doc]]
-            return out[:budget], gold
+            return out, gold
 
         head = f"{_QA_INSTRUCTION}\n\nThe documents:\n\n"
         tail = f"\n\n{_QA_INSTRUCTION}\n\nQuestion: {question.question}"
-        return _Draft(head, tail, "Answer:", question.answers, body, ordered=task.one_order, separator="")
+        return _Draft(head, tail, " Answer:", question.answers, body, ordered=task.one_order, separator="")
 
 
 def _zipf_counts(lens: list[int], budget: int) -> tuple[list[int], int]:
@@ -712,6 +741,7 @@ def _row(case: RulerCase) -> dict:
         "length": case.length,
         "sample": case.sample,
         "prompt_tokens": len(case.prompt.input_ids),
+        "new_tokens": case.new_tokens,
         "needle_offsets": case.needle_offsets,
         "references": case.references,
     }
