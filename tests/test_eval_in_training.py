@@ -37,6 +37,7 @@ from longalign.cli import main
 from longalign.config import EvalTasksConfig, NeedleTaskConfig, load_config
 from longalign.errors import ConfigError
 from longalign.eval import needle as nd
+from longalign.eval import ruler
 from longalign.eval.in_training import (
     EvalTasksCallback,
     NeedleTask,
@@ -68,8 +69,12 @@ def logged_numbers(name: str, summary: dict) -> dict[str, float]:
     if name == "needle":
         return {"eval_tasks/needle": summary["overall"], "eval_tasks/needle/logprob": summary["mean_logprob"]}
     return {
-        "eval_tasks/ruler/effective_length": summary["effective_length"] or 0,
-        **{f"eval_tasks/ruler/{n}": v for n, v in summary["average_by_length"].items()},
+        # teacher-forced tasks are never RULER's 13: the run logs their partial average and its effective length
+        "eval_tasks/ruler/effective_length": ruler.effective_length(
+            {int(n): v for n, v in summary["partial_average_by_length"].items()}, summary["threshold"]
+        )
+        or 0,
+        **{f"eval_tasks/ruler/{n}": v for n, v in summary["partial_average_by_length"].items()},
         **{
             f"eval_tasks/ruler/{t}/{n}": v
             for t, cells in summary["by_task_length"].items()

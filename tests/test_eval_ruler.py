@@ -20,7 +20,7 @@ from longalign.cli import main
 from longalign.errors import ConfigError, InputError
 from longalign.eval import needle as nd
 from longalign.eval import ruler
-from longalign.eval.models import Reply, chat_frame
+from longalign.eval.models import Reply, chat_frame, check_fits
 from longalign.labels import tokenize_conversation
 
 KEY = "sk-ruler-test-77c1"
@@ -345,25 +345,51 @@ def row(task, length, score):
     return {"task": task, "length": length, "score": score}
 
 
-def test_the_summary_averages_tasks_by_length_and_counts_failures_apart():
+def test_a_partial_run_has_no_average_and_says_why_and_a_complete_one_has_rulers():
     rows = [row("vt", 1000, 100.0), row("vt", 1000, 0.0), row("cwe", 1000, 90.0), row("vt", 2000, 50.0),
-            row("cwe", 2000, None)]  # fmt: skip
+            {**row("cwe", 2000, 0.0), "error": "500 from the server"}]  # fmt: skip
     summary = ruler.summary(rows, threshold=60.0)
     assert summary["by_task_length"] == {
         "vt": {"1000": 50.0, "2000": 50.0},
-        "cwe": {"1000": 90.0, "2000": None},
+        "cwe": {"1000": 90.0, "2000": 0.0},
     }
-    assert summary["average_by_length"] == {"1000": 70.0, "2000": 50.0}
-    assert (summary["effective_length"], summary["n"], summary["failed"]) == (1000, 5, 1)
+    assert (summary["average_by_length"], summary["effective_length"], summary["comparable"]) == (
+        None,
+        None,
+        False,
+    )
+    assert summary["partial_average_by_length"] == {"1000": 70.0, "2000": 25.0}  # a failed request scores 0
+    assert summary["not_comparable_because"] == [
+        "tasks not run: niah_single_1, niah_single_2, niah_single_3, niah_multikey_1, niah_multikey_2, "
+        "niah_multikey_3, niah_multivalue, niah_multiquery, fwe, qa_squad, qa_hotpot (--squad, --hotpot)"
+    ]
+    assert (summary["n"], summary["failed"]) == (5, 1)
     assert ruler.summary_csv(summary).splitlines() == [
-        "task,length,score", "vt,1000,50", "vt,2000,50", "cwe,1000,90", "cwe,2000,", "average,1000,70",
-        "average,2000,50"]  # fmt: skip
+        "task,length,score", "vt,1000,50", "vt,2000,50", "cwe,1000,90", "cwe,2000,0",
+        "partial average (not comparable),1000,70", "partial average (not comparable),2000,25"]  # fmt: skip
+    every = [row(t, n, 100.0 if n == 1000 or t != "vt" else 0.0) for t in ruler.TASKS for n in (1000, 2000)]
+    filler = ruler.summary(every)  # all 13 tasks, but the essays were generated filler
+    assert filler["not_comparable_because"] == [
+        "essay haystack: not RULER's essays file (--haystack PaulGrahamEssays.json)"
+    ]
+    complete = ruler.summary(every, essays=True, threshold=95.0)
+    assert complete["comparable"] and complete["not_comparable_because"] == []
+    assert complete["average_by_length"] == {"1000": 100.0, "2000": pytest.approx(1200 / 13)}
+    assert complete["effective_length"] == 1000 and complete["partial_average_by_length"] is None
+    assert ruler.summary(every, essays=True, threshold=90.0)["effective_length"] == 2000
+    assert ruler.summary_csv(complete).splitlines()[-2:] == ["average,1000,100", "average,2000,92.3077"]
 
 
-def test_a_failed_request_is_counted_not_scored(tokenizer):
+def test_a_failed_request_scores_0_and_keeps_its_error(tokenizer):
     case = one(tokenizer, "vt", 600)
     failed = ruler.generation_row(case, Reply("", error="400 from the server: too long"))
-    assert (failed["score"], failed["error"]) == (None, "400 from the server: too long")
+    assert (failed["score"], failed["error"]) == (0.0, "400 from the server: too long")
+
+
+def test_scores_fold_case_as_rulers_lower_does():
+    # str.casefold would match "STRASSE" to "straße"; RULER's str.lower does not
+    assert ruler.score_output("qa_squad", ["straße"], "STRASSE") == 0.0
+    assert ruler.score_output("vt", ["ABCDE"], "abcde") == 100.0
 
 
 # --- against servers ----------------------------------------------------------------------------------------
@@ -405,8 +431,8 @@ def test_a_server_that_solves_each_task_scores_100_everywhere(tmp_path, qa_files
         "score",
     }
     assert summary["by_task_length"] == {t: {"1000": 100.0, "2000": 100.0} for t in ruler.TASKS}
-    assert summary["average_by_length"] == {"1000": 100.0, "2000": 100.0}
-    assert (summary["effective_length"], summary["n"], summary["failed"]) == (2000, 78, 0)
+    assert summary["partial_average_by_length"] == {"1000": 100.0, "2000": 100.0}  # generated essays
+    assert (summary["effective_length"], summary["n"], summary["failed"]) == (None, 78, 0)
     budgets = {ruler.TASKS[t].new_tokens for t in ruler.TASKS}
     assert {r["max_tokens"] for r in requests} == budgets  # RULER's budget per task family
     assert {p.name for p in out.iterdir()} >= {"results.jsonl", "summary.json", "summary.csv", "ruler.png",
@@ -414,7 +440,41 @@ def test_a_server_that_solves_each_task_scores_100_everywhere(tmp_path, qa_files
     record = json.loads((out / "run_config.json").read_text())
     assert record["qa_skipped"] == {"squad": 24, "hotpot": 0} and record["answer_prefix_in"] == "user message"
     assert KEY not in (out / "run_config.json").read_text()
-    assert "effective length 2000 (threshold 85.6)" in capsys.readouterr().out
+    assert (
+        "not comparable with RULER's table: essay haystack: not RULER's essays file"
+        in capsys.readouterr().out
+    )
+
+
+def test_a_server_that_echoes_its_prompt_scores_100_on_every_task_at_4k_with_rulers_average(
+    tmp_path, qa_files, capsys
+):
+    """All 13 tasks on the reference inputs (an essays file as RULER's download writes it, the QA files):
+    RULER's average and effective length; each request ends its user message with the answer prefix."""
+    essays = tmp_path / "PaulGrahamEssays.json"
+    essays.write_text(
+        json.dumps({"text": "I wrote essays once.  They were short.\n\nNow they are long! " * 30})
+    )
+    out = tmp_path / "echo"
+    with OpenAIStub(lambda body: body["messages"][-1]["content"], key=KEY, cut_to_max_tokens=False) as server:
+        status = main(["eval", "ruler", *served(server), "--squad", str(qa_files["squad"]), "--hotpot",
+                       str(qa_files["hotpot"]), "--haystack", str(essays), "--lengths", "4k",
+                       "--samples-per-task", "1", "--output", str(out)])  # fmt: skip
+        requests = server.requests
+    assert status == 0
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["task"] for r in rows] == list(ruler.TASKS) and all(r["score"] == 100.0 for r in rows)
+    for r in rows:
+        assert r["prompt_tokens"] + r["new_tokens"] == 4096 or r["task"].startswith("qa"), r
+    contents = sorted(request["messages"][-1]["content"] for request in requests)  # in any order
+    assert all([m["role"] for m in request["messages"]] == ["user"] for request in requests)
+    for r in rows:  # RULER's answer prefix closes the user's message
+        assert sum(c.endswith(r["answer_prefix"]) for c in contents) >= 1, r["answer_prefix"]
+    assert len(contents) == 13
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["comparable"] and summary["not_comparable_because"] == []
+    assert summary["average_by_length"] == {"4096": 100.0} and summary["effective_length"] == 4096
+    assert "effective length 4096 (threshold 85.6)" in capsys.readouterr().out
 
 
 def test_by_default_every_task_that_needs_no_file_runs(tmp_path):
@@ -442,25 +502,29 @@ def test_a_server_that_reads_only_the_first_half_loses_the_needles_of_the_second
     assert sum(means[:3]) / 3 > sum(means[-3:]) / 3 + 50  # falls with depth
     multi = [r["score"] for r in rows if r["task"] == "niah_multiquery"]
     assert 0 < sum(multi) / len(multi) < 100  # partial recall: the needles of the first half
-    assert (
-        all(v < 85.6 for v in summary["average_by_length"].values()) and summary["effective_length"] is None
-    )
+    assert all(v < 85.6 for v in summary["partial_average_by_length"].values())
 
 
-@pytest.mark.parametrize(
-    ("threshold", "expected"), [("85.6", 1000), ("30", 2000), ("0", 3000), ("100.5", None)]
-)
-def test_the_effective_length_follows_the_threshold(tmp_path, threshold, expected):
-    def reader(body):  # a model that solves short prompts, reads half of middling ones, none of the longest
+def test_a_partial_run_prints_and_plots_its_partial_average_as_not_comparable(tmp_path, capsys):
+    def reader(body):  # a model that solves short prompts and reads half of longer ones
         content = body["messages"][-1]["content"]
-        words = len(content.split())
-        return solve(content) if words < 900 else solve(content, first_half=True) if words < 1600 else ""
+        return solve(content) if len(content.split()) < 900 else solve(content, first_half=True)
 
-    rows, summary, _ = run_served(reader, tmp_path / threshold, "--lengths", "1000,2000,3000", "--samples-per-task",
-                                  "4", "--tasks", "niah_single_1,niah_multivalue,vt", "--threshold", threshold)  # fmt: skip
-    averages = summary["average_by_length"]
-    assert averages["1000"] == 100.0 and 30 <= averages["2000"] < 85.6 and averages["3000"] < 30
-    assert summary["effective_length"] == expected and summary["threshold"] == float(threshold)
+    rows, summary, _ = run_served(reader, tmp_path / "o", "--lengths", "1000,2000", "--samples-per-task", "2",
+                                  "--tasks", "niah_single_1,vt")  # fmt: skip
+    averages = summary["partial_average_by_length"]
+    assert averages["1000"] == 100.0 and averages["2000"] < 100.0 and summary["average_by_length"] is None
+    out = capsys.readouterr().out
+    assert (
+        "partial average by length: 1000 100.0" in out
+        and "not comparable with RULER's table: tasks not run" in out
+    )
+    assert (
+        (tmp_path / "o" / "summary.csv")
+        .read_text()
+        .splitlines()[-1]
+        .startswith("partial average (not comparable),2000,")
+    )
 
 
 def test_the_same_seed_writes_the_same_file_and_another_seed_another(tmp_path):
@@ -560,6 +624,30 @@ def test_packed_scoring_equals_one_prompt_at_a_time_and_the_plain_model(tokenize
     sequences = [(c.prompt.input_ids, c.answer_ids) for c in cases]
     assert len(nd.pack_rows([len(p) + len(a) - 1 for p, a in sequences], 1300)) == 4  # 10 prompts in 4 rows
     assert_packed_scoring_is_exact(sequences, pack_tokens=1300)
+
+
+def test_a_131072_position_model_takes_the_128k_column_with_room_to_answer(tmp_path, monkeypatch):
+    """RULER's length is the prompt and its generation budget: 128k fits a 131,072-position model exactly."""
+    from longalign.eval.models import LocalGenerator
+
+    model = save_tiny_model(tmp_path / "model", max_position_embeddings=131072)
+    asked = []
+
+    def generate(self, prompts, *, progress=None):  # the 128k forward is not this test's business
+        asked.extend((len(p.input_ids), self.max_new_tokens) for p in prompts)
+        return [Reply("no idea") for _ in prompts]
+
+    monkeypatch.setattr(LocalGenerator, "generate", generate)
+    out = tmp_path / "o"
+    assert main(["eval", "ruler", "--model", str(model), "--lengths", "128k", "--tasks", "niah_single_1,vt",
+                 "--samples-per-task", "1", "--output", str(out)]) == 0  # fmt: skip
+    assert sorted(asked) == [(131072 - 128, 128), (131072 - 30, 30)]
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["prompt_tokens"] + r["new_tokens"] for r in rows] == [131072, 131072]
+    with pytest.raises(
+        ConfigError, match=r"a prompt of 131043 tokens \+ 30 new tokens is over the model's limit"
+    ):
+        check_fits([131072 - 128, 131072 - 29], 131072, new_tokens=[128, 30])
 
 
 @pytest.fixture(scope="module")

@@ -182,7 +182,8 @@ def _ruler_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--haystack",
         type=Path,
-        help="essay text: a .txt file or a directory of them (default: generated filler sentences)",
+        help="essay text: RULER's PaulGrahamEssays.json (its download's {\"text\": ...}; needed for a run "
+        "comparable with RULER's table), a .txt file or a directory of them (default: generated filler sentences)",
     )
     parser.add_argument("--squad", type=Path, help="qa_squad: SQuAD's JSON (e.g. dev-v2.0.json)")
     parser.add_argument(
@@ -582,7 +583,12 @@ def _run_ruler(args: argparse.Namespace) -> int:
     if rows is None:
         return 0
     seconds = time.perf_counter() - started
-    summary = {**ruler.summary(rows, threshold=threshold), "score": args.score, "seconds": round(seconds, 3)}
+    essays = ruler.is_essays_file(args.haystack)
+    summary = {
+        **ruler.summary(rows, threshold=threshold, essays=essays),
+        "score": args.score,
+        "seconds": round(seconds, 3),
+    }
     extra = {
         "wonderwords": importlib.metadata.version("wonderwords"),  # its word lists make the prompts
         "lengths": lengths,
@@ -601,12 +607,15 @@ def _run_ruler(args: argparse.Namespace) -> int:
         plot=lambda d: ruler.plot_heatmap(summary, d / "ruler.png", title=title),
         extra_files={"summary.csv": ruler.summary_csv(summary)},
     )
-    averages = ", ".join(
-        f"{length} {'n/a' if value is None else f'{value:.1f}'}"
-        for length, value in summary["average_by_length"].items()
+    label, values = ruler.averages(summary)
+    shown = ", ".join(f"{length} {'n/a' if v is None else f'{v:.1f}'}" for length, v in values.items())
+    if summary["comparable"]:
+        verdict = f"effective length {summary['effective_length'] or 'none'} (threshold {threshold:g})"
+    else:
+        verdict = "not comparable with RULER's table: " + "; ".join(summary["not_comparable_because"])
+    print(
+        f"ruler: {len(rows)} prompts in {seconds:.1f} s; {label} by length: {shown}; {verdict}; wrote {args.output}"
     )
-    print(f"ruler: {len(rows)} prompts in {seconds:.1f} s; average by length: {averages}; effective length "
-          f"{summary['effective_length'] or 'none'} (threshold {threshold:g}); wrote {args.output}")  # fmt: skip
     return 0
 
 

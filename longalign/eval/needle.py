@@ -25,6 +25,7 @@ training run, ``longalign.eval.in_training``).
 from __future__ import annotations
 
 import functools
+import json
 import random
 import re
 from collections.abc import Sequence
@@ -103,7 +104,22 @@ def split_sentences(text: str) -> list[str]:
 
 
 def read_haystack(source: Path) -> list[str]:
-    """The sentences of a ``.txt`` file, or of every ``.txt`` file in a directory (sorted by name)."""
+    """The sentences of a ``.txt`` file, of every ``.txt`` file in a directory (sorted by name), or of the
+    ``text`` of a ``.json`` file (``{"text": "..."}``, as RULER's essay download writes
+    ``PaulGrahamEssays.json``)."""
+    if source.suffix == ".json" and source.is_file():
+        try:
+            data = json.loads(source.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise InputError(f"{source}: not a JSON file ({err})") from None
+        if not isinstance(data, dict) or not isinstance(data.get("text"), str):
+            raise InputError(
+                f'{source}: expected {{"text": "..."}} (RULER\'s PaulGrahamEssays.json), no "text" string'
+            )
+        sentences = split_sentences(data["text"])
+        if not sentences:
+            raise InputError(f"{source}: the haystack text is empty")
+        return sentences
     if source.is_dir():
         files = sorted(source.glob("*.txt"))
         if not files:

@@ -174,6 +174,12 @@ def build_instances(
     ]
 
 
+def is_essays_file(haystack: Path | None) -> bool:
+    """Whether ``--haystack`` is an essays file in the format of RULER's download (``PaulGrahamEssays.json``,
+    ``{"text": ...}``): the reference's essay haystack, as far as a file can say."""
+    return haystack is not None and haystack.suffix == ".json"
+
+
 # --- words, values, documents ------------------------------------------------------------------------------
 
 
@@ -725,11 +731,12 @@ def _chain(names: list[str], value: int) -> list[str]:
 
 def score_output(task: str, references: Sequence[str], output: str) -> float:
     """RULER's score of one reply: the share of ``references`` in it x 100; QA: 100 if any is in it.
+    Case is folded with ``str.lower``, as RULER's scorer does.
 
     >>> score_output("niah_multivalue", ["123", "456", "789", "000"], "They are 123 and 789.")
     50.0
     """
-    hits = [nd.found(r, output) for r in references]
+    hits = [r.lower() in output.lower() for r in references]
     if TASKS[task].family == "qa":
         return 100.0 * any(hits)
     return 100.0 * sum(hits) / len(hits)
@@ -742,16 +749,18 @@ def _row(case: RulerCase) -> dict:
         "sample": case.sample,
         "prompt_tokens": len(case.prompt.input_ids),
         "new_tokens": case.new_tokens,
+        "answer_prefix": case.answer_prefix,
         "needle_offsets": case.needle_offsets,
         "references": case.references,
     }
 
 
 def generation_row(case: RulerCase, reply: Reply) -> dict:
-    """The ``results.jsonl`` row of a generated reply; a failed request has no score and its error."""
+    """The ``results.jsonl`` row of a generated reply; a failed request scores 0 (RULER's scorer sees an
+    empty prediction) and keeps its error."""
     row = _row(case)
     row.update(
-        output=reply.text, score=None if reply.error else score_output(case.task, case.references, reply.text)
+        output=reply.text, score=0.0 if reply.error else score_output(case.task, case.references, reply.text)
     )
     if reply.error:
         row["error"] = reply.error
@@ -786,12 +795,30 @@ def effective_length(average_by_length: dict[int, float | None], threshold: floa
     return found
 
 
-def summary(rows: Sequence[dict], *, threshold: float = THRESHOLD) -> dict:
-    """Mean score by task and length, the average over tasks by length, the effective length.
+def missing_for_comparison(tasks: Sequence[str], *, essays: bool) -> list[str]:
+    """What keeps a run's average from standing next to RULER's published ones: tasks that did not run,
+    and haystacks that are not the reference's. ``essays``: the essay haystack is RULER's essays file.
 
-    Rows whose call failed (score None) are counted in ``failed``, not scored.
+    >>> missing_for_comparison(list(TASKS)[:11], essays=False)
+    ['tasks not run: qa_squad, qa_hotpot (--squad, --hotpot)', "essay haystack: not RULER's essays file (--haystack PaulGrahamEssays.json)"]
     """
-    scored = [r for r in rows if r["score"] is not None]
+    missing = []
+    absent = [t for t in TASKS if t not in tasks]
+    if absent:
+        files = [f"--{TASKS[t].source}" for t in absent if TASKS[t].family == "qa"]
+        missing.append(f"tasks not run: {', '.join(absent)}" + (f" ({', '.join(files)})" if files else ""))
+    if not essays and any(TASKS[t].haystack == "essay" for t in tasks):
+        missing.append("essay haystack: not RULER's essays file (--haystack PaulGrahamEssays.json)")
+    return missing
+
+
+def summary(rows: Sequence[dict], *, threshold: float = THRESHOLD, essays: bool = False) -> dict:
+    """Mean score by task and length; the average over RULER's 13 tasks by length and the effective length
+    when the run can stand next to RULER's table, else the average over the tasks that ran, labelled.
+
+    A failed request scored 0 and is counted in ``failed``. ``essays``: the essay haystack was RULER's
+    essays file (``missing_for_comparison``).
+    """
     tasks = [t for t in TASKS if any(r["task"] == t for r in rows)]
     lengths = sorted({r["length"] for r in rows})
 
@@ -800,31 +827,42 @@ def summary(rows: Sequence[dict], *, threshold: float = THRESHOLD) -> dict:
 
     def table(key: str) -> dict[str, dict[str, float | None]]:
         return {
-            t: {
-                str(n): mean([r[key] for r in scored if r["task"] == t and r["length"] == n]) for n in lengths
-            }
+            t: {str(n): mean([r[key] for r in rows if r["task"] == t and r["length"] == n]) for n in lengths}
             for t in tasks
         }
 
     by_task_length = table("score")
     average = {n: mean([v for t in tasks if (v := by_task_length[t][str(n)]) is not None]) for n in lengths}
+    missing = missing_for_comparison(tasks, essays=essays)
     result = {
         "by_task_length": by_task_length,
-        "average_by_length": {str(n): v for n, v in average.items()},
-        "effective_length": effective_length(average, threshold),
+        "comparable": not missing,  # all 13 tasks on the reference haystacks: RULER's average
+        "not_comparable_because": missing,
+        "average_by_length": None if missing else {str(n): v for n, v in average.items()},
+        "effective_length": None if missing else effective_length(average, threshold),
+        "partial_average_by_length": {str(n): v for n, v in average.items()} if missing else None,
         "threshold": threshold,
         "tasks": tasks,
         "lengths": lengths,
         "n": len(rows),
-        "failed": len(rows) - len(scored),
+        "failed": sum("error" in r for r in rows),
     }
-    if any("logprob" in r for r in scored):
+    if any("logprob" in r for r in rows):
         result["logprob_by_task_length"] = table("logprob")
     return result
 
 
+def averages(summary_: dict) -> tuple[str, dict[str, float | None]]:
+    """The row that closes the table: ``("average", ...)``, or ``("partial average", ...)`` when the run is
+    not comparable with RULER's."""
+    if summary_["comparable"]:
+        return "average", summary_["average_by_length"]
+    return "partial average", summary_["partial_average_by_length"]
+
+
 def summary_csv(summary_: dict) -> str:
-    """``task,length,score`` (and ``logprob``) per cell, then the ``average`` rows."""
+    """``task,length,score`` (and ``logprob``) per cell, then the ``average`` rows (``partial average
+    (not comparable)`` when the run is not comparable with RULER's)."""
     logprob = summary_.get("logprob_by_task_length")
     lines = ["task,length,score" + (",logprob" if logprob else "")]
     fmt = lambda value: "" if value is None else f"{value:.6g}"  # noqa: E731
@@ -833,8 +871,10 @@ def summary_csv(summary_: dict) -> str:
             lines.append(
                 f"{task},{length},{fmt(value)}" + (f",{fmt(logprob[task][length])}" if logprob else "")
             )
-    for length, value in summary_["average_by_length"].items():
-        lines.append(f"average,{length},{fmt(value)}" + ("," if logprob else ""))
+    label, values = averages(summary_)
+    label = label if summary_["comparable"] else f"{label} (not comparable)"
+    for length, value in values.items():
+        lines.append(f"{label},{length},{fmt(value)}" + ("," if logprob else ""))
     return "\n".join(lines) + "\n"
 
 
@@ -843,9 +883,10 @@ def plot_heatmap(summary_: dict, path: Path, *, title: str) -> None:
     from matplotlib.figure import Figure  # no pyplot, no display
 
     lengths = [str(n) for n in summary_["lengths"]]
-    rows = [*summary_["tasks"], "average"]
+    label, values = averages(summary_)
+    rows = [*summary_["tasks"], label]
     grid = [[_value(summary_["by_task_length"][t][n]) for n in lengths] for t in summary_["tasks"]]
-    grid.append([_value(summary_["average_by_length"][n]) for n in lengths])
+    grid.append([_value(values[n]) for n in lengths])
     figure = Figure(figsize=(3.5 + 0.8 * len(lengths), 1.2 + 0.35 * len(rows)), layout="constrained")
     ax = figure.subplots()
     image = ax.imshow(grid, cmap="RdYlGn", vmin=0.0, vmax=100.0, aspect="auto")
@@ -858,8 +899,11 @@ def plot_heatmap(summary_: dict, path: Path, *, title: str) -> None:
     ax.set_xticks(range(len(lengths)), lengths, rotation=45)
     ax.set_yticks(range(len(rows)), rows)
     effective = summary_["effective_length"]
-    ax.set(xlabel="prompt length (tokens)", title=f"effective length {effective or 'none'} "
-           f"(average >= {summary_['threshold']:g})")  # fmt: skip
+    if summary_["comparable"]:
+        heading = f"effective length {effective or 'none'} (average >= {summary_['threshold']:g})"
+    else:
+        heading = "not comparable with RULER's table:\n" + "\n".join(summary_["not_comparable_because"])
+    ax.set(xlabel="length (tokens: prompt and generation budget)", title=heading)
     figure.colorbar(image, ax=ax, label="score (0-100)")
     figure.suptitle(title)
     figure.savefig(path, dpi=100)
