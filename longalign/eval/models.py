@@ -83,9 +83,10 @@ class ChatFrame:
     """
 
     tokenizer: Any
-    before: str  # the template's text before the user's text
+    before: str  # the template's text before the user's text (earlier turns included)
     after: str  # after it, the generation prompt included
     control: frozenset[int]  # the special tokens (message text that spells one is read as text)
+    history: tuple[dict[str, str], ...] = ()  # the turns before the user's message
 
     def encode(self, content: str, *, answer_prefix: str = "") -> tuple[list[int], list[tuple[int, int]]]:
         """The token ids of the chat and each token's character span in ``before + content + after + prefix``."""
@@ -98,20 +99,21 @@ class ChatFrame:
     def prompt(self, content: str, *, answer_prefix: str = "") -> Prompt:
         """The one-turn chat of ``content``; ``answer_prefix`` follows the generation prompt (local models)."""
         ids, _ = self.encode(content, answer_prefix=answer_prefix)
-        return Prompt(input_ids=ids, messages=[{"role": "user", "content": content}])
+        return Prompt(input_ids=ids, messages=[*self.history, {"role": "user", "content": content}])
 
 
-def chat_frame(tokenizer) -> ChatFrame:
-    """The ``ChatFrame`` of the tokenizer's chat template; one line when the template rewrites the user's text."""
+def chat_frame(tokenizer, history: Sequence[dict[str, str]] = ()) -> ChatFrame:
+    """The ``ChatFrame`` of the tokenizer's chat template, after the turns of ``history`` (a worked example);
+    one line when the template rewrites the user's text."""
     from longalign.chat_template import control_ids
 
     text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": _SLOT}], tokenize=False, add_generation_prompt=True
+        [*history, {"role": "user", "content": _SLOT}], tokenize=False, add_generation_prompt=True
     )
     if text.count(_SLOT) != 1:
         raise ModelError("the chat template does not write the user's message once, as given")
     before, after = text.split(_SLOT)
-    return ChatFrame(tokenizer, before, after, control_ids(tokenizer))
+    return ChatFrame(tokenizer, before, after, control_ids(tokenizer), tuple(history))
 
 
 def fit_length(make: Callable[[int], T], tokens: Callable[[T], int], target: int, guess: int) -> T | None:

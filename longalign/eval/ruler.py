@@ -25,6 +25,7 @@ QA tasks 100 when any reference is found. The teacher-forced alternative (``--sc
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 import random
@@ -40,7 +41,6 @@ from longalign.eval.models import Prompt, Reply, chat_frame, fit_length
 
 THRESHOLD = 85.6  # RULER's: Llama-2-7B's average at 4k, the bar for the effective length
 DEPTHS = [round(100 * i / 39) for i in range(40)]  # RULER's needle depths: 40 from 0% to 100%
-NOISE = "The day is long. The road is quiet. The water is calm. Here we are again. On and on it goes."
 
 
 @dataclass(frozen=True)
@@ -318,23 +318,41 @@ def _checked(path: Path, data: QAData) -> QAData:
 
 # --- prompts -----------------------------------------------------------------------------------------------
 
+# The benchmark's text: NVIDIA/RULER (Apache License 2.0), scripts/data/synthetic/constants.py (each task's
+# template and answer prefix) and niah.py / variable_tracking.py / qa.py (needle sentence, noise sentence,
+# document header), matched character for character: these strings are the benchmark's definition.
 VT_HOPS = 4  # RULER's chain: one chain of 4 hops, 5 variables
-VT_EXAMPLE_NOISE = 4  # noise lines of the worked example before the task
+VT_EXAMPLE_TOKENS = 500  # RULER's worked example: an instance of at most 500 tokens, its answer after it
 CWE_COMMON = 10  # the words asked for
-_KINDS = {"numbers": ("number", "numbers"), "uuids": ("UUID", "UUIDs")}
-
-_VT_INTRO = "Keep track of the chain of variable assignments hidden in the text below.\n\n"
-_VT_QUESTION = "\nQuestion: which variables are assigned the value {value} in the text above?"
-_VT_PREFIX = (
-    " Answer: following the assignments in the text above, {count} variables are assigned the value {value}:"
+NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+NEEDLE = "One of the special magic {kind} for {key} is: {value}."  # kind: numbers | uuids, as in RULER
+_NIAH = (
+    "Some special magic {kind} are hidden within the following text. Make sure to memorize it. I will quiz you "
+    "about the {kind} afterwards.\n"
 )
-_CWE_INTRO = "The numbered list below repeats some words more often than the others. Remember which words occur most often.\n"  # fmt: skip
-_CWE_QUESTION = f"\nQuestion: which {CWE_COMMON} words occur most often in the list above?"
-_CWE_PREFIX = f" Answer: the {CWE_COMMON} words that occur most often in the list are:"
-_FWE_INTRO = "Count how often each coded word occurs in the coded text below; you will be asked for the three most frequent ones.\n"  # fmt: skip
-_FWE_QUESTION = "\nQuestion: leaving out the dots '...', which three coded words occur most often in the coded text above? Answer without explanation."  # fmt: skip
-_FWE_PREFIX = " Answer: the three coded words that occur most often in the text above are:"
-_QA_INSTRUCTION = "Answer the question from the documents, with the answer alone and no other words."
+_NIAH_QUESTION = "\nWhat are all the special magic {kind} for {query} mentioned in the provided text?"
+_NIAH_PREFIX = " The special magic {kind} for {query} mentioned in the provided text are"
+_VT_INTRO = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
+_VT_QUESTION = "\nQuestion: Find all variables that are assigned the value {value} in the text above."
+_VT_PREFIX = " Answer: According to the chain(s) of variable assignment in the text above, {count} variables are assigned the value {value}, they are: "  # fmt: skip
+_CWE_INTRO = "Below is a numbered list of words. In these words, some appear more often than others. Memorize the ones that appear most often.\n"  # fmt: skip
+_CWE_QUESTION = f"\nQuestion: What are the {CWE_COMMON} most common words in the above list?"
+_CWE_PREFIX = f" Answer: The top {CWE_COMMON} words that appear most often in the list are:"
+_FWE_INTRO = "Read the following coded text and track the frequency of each coded word. Find the three most frequently appeared coded words. "  # fmt: skip
+_FWE_QUESTION = "\nQuestion: Do not provide any explanation. Please ignore the dots '....'. What are the three most frequently appeared words in the above coded text?"  # fmt: skip
+_FWE_PREFIX = " Answer: According to the coded text above, the three most frequently appeared words are:"
+_QA_INSTRUCTION = "Answer the question based on the given documents. Only give me the answer and do not output any other words."  # fmt: skip
+_QA_PREFIX = " Answer:"
+
+
+def _niah_text(text: str, kind: str, single: bool) -> str:
+    """RULER's wording for one asked value (``single``): its template's words made singular as RULER makes
+    them ("Some" -> "A", "are" -> "is"), ``numbers`` -> ``number``."""
+    if not single:
+        return text.format(kind=kind, query="{query}")
+    text = text.replace("Some", "A").replace("are all", "is").replace("are", "is")
+    return text.format(kind=kind[:-1], query="{query}")
+
 
 _Body = Callable[[int], "tuple[list[int], list[int]] | None"]
 
@@ -350,6 +368,7 @@ class _Draft:
     body: _Body  # budget -> (budget ids (QA: whole documents, up to budget), the needles' offsets), or None
     ordered: bool  # the references in this order are the teacher-forced answer
     separator: str = ","  # between references in that answer (then a space)
+    history: tuple[dict[str, str], ...] = ()  # turns before the task's (cwe: RULER's example, answered)
 
 
 def _join(items: Sequence[str]) -> str:
@@ -428,6 +447,8 @@ class _Builder:
         def text(content: str) -> tuple[str, str]:  # the user's text, and what follows the generation prompt
             return (content + draft.prefix, "") if self.prefix_in == "user" else (content, draft.prefix)
 
+        frame = chat_frame(self.tokenizer, draft.history) if draft.history else self.frame
+
         def make(budget: int):
             rng.setstate(state)
             body = draft.body(budget)
@@ -435,12 +456,14 @@ class _Builder:
                 return None
             ids, offsets = body
             shown = nd.decode_text(self.tokenizer, ids)
-            user, after = text(draft.head + shown + draft.tail)
-            prompt_ids, spans = self.frame.encode(user, answer_prefix=after)
-            return prompt_ids, spans, ids, offsets, user
+            # RULER's context begins its line: no space or newline of the first unit after a line break
+            strip = 1 if draft.head[-1:] in (" ", "\n") and shown[:1] in (" ", "\n") else 0
+            user, after = text(draft.head + shown[strip:] + draft.tail)
+            prompt_ids, spans = frame.encode(user, answer_prefix=after)
+            return prompt_ids, spans, ids, offsets, user, strip
 
         user, after = text(draft.head + draft.tail)
-        fixed = len(self.frame.encode(user, answer_prefix=after)[0])
+        fixed = len(frame.encode(user, answer_prefix=after)[0])
         made = fit_length(make, lambda made: len(made[0]) if made else 0, target, target - fixed)
         if made is None:
             raise ConfigError(
@@ -448,11 +471,11 @@ class _Builder:
                 f"template, {new_tokens} to generate, and the task's text does not fit in the "
                 f"{max(target - fixed, 0)} left)"
             )
-        prompt_ids, spans, body_ids, body_offsets, user = made
-        start = len(self.frame.before) + len(draft.head)
+        prompt_ids, spans, body_ids, body_offsets, user, strip = made
+        start = len(frame.before) + len(draft.head)
         needle_offsets = []
         for at in body_offsets:  # the token of the prompt where each needle's text begins
-            char = start + len(nd.decode_text(self.tokenizer, body_ids[:at]))
+            char = start + max(len(nd.decode_text(self.tokenizer, body_ids[:at])) - strip, 0)
             needle_offsets.append(next(i for i, (_, end) in enumerate(spans) if end > char))
         answer_ids, reference_spans = (
             self.answer(draft.references, draft.separator) if draft.ordered else (None, None)
@@ -462,7 +485,7 @@ class _Builder:
             length=length,
             sample=sample,
             new_tokens=new_tokens,
-            prompt=Prompt(input_ids=prompt_ids, messages=[{"role": "user", "content": user}]),
+            prompt=Prompt(input_ids=prompt_ids, messages=[*draft.history, {"role": "user", "content": user}]),
             needle_offsets=needle_offsets,
             references=draft.references,
             answer_prefix=draft.prefix,
@@ -486,7 +509,6 @@ class _Builder:
     # --- needle in a haystack: needles at random depths of noise, essay sentences or other needles ---
 
     def niah(self, name: str, task: Task, length: int, sample: int, rng: random.Random) -> _Draft:
-        one, many = _KINDS[task.value]
         keys: list[str] = []
         while len(keys) < task.keys:
             key = random_key(rng, task.key)
@@ -497,9 +519,11 @@ class _Builder:
         asked = rng.sample(range(task.keys), task.queries)
         wanted = [(k, v) for k in asked for v in range(task.values)]
         query = _join([keys[k] for k in asked])
-        sep = " " if task.haystack == "essay" else "\n"
+        sep = (
+            " " if task.haystack == "essay" else "\n"
+        )  # RULER joins essay sentences with spaces, lines with \n
         pieces = self.encode_many(
-            [f"{sep}{keys[k]} has a special magic {one}: {values[k][v]}." for k, v in needles]
+            [sep + NEEDLE.format(kind=task.value, key=keys[k], value=values[k][v]) for k, v in needles]
         )
         depths = sorted(rng.sample(DEPTHS, len(needles)))
         needed = sum(map(len, pieces))
@@ -512,26 +536,23 @@ class _Builder:
             offset = dict(zip(needles, at, strict=True))
             return ids, [offset[needle] for needle in wanted]
 
-        if task.values * task.queries == 1:
-            head = f"A special magic {one} is hidden in the text below. Remember it: a question about it follows the text.\n"  # fmt: skip
-            tail = f"\nQuestion: which special magic {one} of {query} appears in the text above?"
-            prefix = f" The special magic {one} of {query} in the text above is"
-        else:
-            head = f"Special magic {many} are hidden in the text below. Remember them: a question about them follows the text.\n"  # fmt: skip
-            tail = f"\nQuestion: which special magic {many} of {query} appear in the text above? Give all of them."
-            prefix = f" The special magic {many} of {query} in the text above are"
+        single = task.values * task.queries == 1
+        head, tail, prefix = (
+            _niah_text(t, task.value, single) for t in (_NIAH, _NIAH_QUESTION, _NIAH_PREFIX)
+        )
         references = [values[k][v] for k, v in wanted]
-        return _Draft(head, tail, prefix, references, body, ordered=task.one_order)
+        return _Draft(head, tail.format(query=query), prefix.format(query=query), references, body,
+                      ordered=task.one_order)  # fmt: skip
 
     def haystack_units(
         self, task: Task, rng: random.Random, tokens: int, *, avoid: set[str]
     ) -> list[list[int]]:
-        """Units holding ``tokens`` tokens or more: essay sentences, noise lines, or needles of other keys."""
+        """Units holding ``tokens`` tokens or more: essay sentences (from the first, as RULER takes the essays'
+        first words), noise lines, or needles of other keys."""
         if task.haystack == "essay":
-            return nd.sentences_from(self.essay, rng.randrange(len(self.essay)), tokens)
+            return nd.sentences_from(self.essay, 0, tokens)
         if task.haystack == "noise":
             return _repeated(self.noise, tokens)
-        one = _KINDS[task.value][0]
         units: list[list[int]] = []
         while (total := sum(map(len, units))) < tokens:
             # a first batch measures the needles' size; the next one is about as many as are still needed
@@ -540,7 +561,9 @@ class _Builder:
             while len(texts) < wanted:
                 key = random_key(rng, task.key)
                 if key not in avoid:
-                    texts.append(f"\n{key} has a special magic {one}: {random_value(rng, task.value)}.")
+                    texts.append(
+                        "\n" + NEEDLE.format(kind=task.value, key=key, value=random_value(rng, task.value))
+                    )
             units += self.encode_many(texts)
         return units
 
@@ -548,10 +571,22 @@ class _Builder:
 
     def vt(self, name: str, task: Task, length: int, sample: int, rng: random.Random) -> _Draft:
         example_names, example_value = _variables(rng, VT_HOPS + 1, 3), rng.randint(10_000, 99_999)
-        example = _chain(example_names, example_value)
-        lines = [NOISE] * (VT_EXAMPLE_NOISE + len(example))
-        for slot, statement in zip(sorted(rng.sample(range(len(lines)), len(example))), example, strict=True):
-            lines[slot] = statement
+        example_chain = _chain(example_names, example_value)
+        slots = rng.random()
+
+        def example(
+            noise_lines: int,
+        ) -> str:  # RULER's worked example: an instance, its answer prefix included
+            lines = [NOISE] * (noise_lines + len(example_chain))
+            places = sorted(random.Random(slots).sample(range(len(lines)), len(example_chain)))
+            for slot, statement in zip(places, example_chain, strict=True):
+                lines[slot] = statement
+            context, question = "\n".join(lines), _VT_QUESTION.format(value=example_value)
+            return f"{_VT_INTRO}{context}{question}{_VT_PREFIX.format(count=len(example_names), value=example_value)}"
+
+        noise_lines = 5  # the most that keep the example within RULER's 500 tokens (at least 5, as RULER)
+        while len(self.encode(example(noise_lines + 1))) <= VT_EXAMPLE_TOKENS:
+            noise_lines += 1
         names, value = _variables(rng, VT_HOPS + 1, 5), rng.randint(10_000, 99_999)
         pieces = self.encode_many([f"\n{statement}" for statement in _chain(names, value)])
         depths = sorted(rng.sample(DEPTHS, len(pieces)))
@@ -562,10 +597,7 @@ class _Builder:
                 return None
             return _insert(_repeated(self.noise, budget - needed), budget - needed, pieces, depths)
 
-        shown = (
-            _VT_PREFIX.format(count=len(example_names), value=example_value) + " " + " ".join(example_names)
-        )
-        head = _VT_INTRO + "\n".join(lines) + _VT_QUESTION.format(value=example_value) + "\n" + shown + "\n\n" + _VT_INTRO  # fmt: skip
+        head = f"{example(noise_lines)} {' '.join(example_names)}\n{_VT_INTRO}"
         tail = _VT_QUESTION.format(value=value)
         prefix = _VT_PREFIX.format(count=len(names), value=value)
         return _Draft(head, tail, prefix, names, body, ordered=True, separator="")
@@ -577,17 +609,21 @@ class _Builder:
         common_n, rare_n, example_words, example_common, example_rare = (
             (6, 1, 20, 3, 1) if length < 4096 else (30, 3, 40, 10, 3)
         )
-        words = _word_stream(rng)
+        order = rng.random()  # the words' order: every try at a budget takes the same ones
+        words = _word_stream(random.Random(order))
         example = [next(words) for _ in range(example_words)]
         items = example[:CWE_COMMON] * example_common + example[CWE_COMMON:] * example_rare
         rng.shuffle(items)
         numbered = lambda ws: " ".join(f"{i + 1}. {w}" for i, w in enumerate(ws))  # noqa: E731
-        head = f"{_CWE_INTRO}{numbered(items)}{_CWE_QUESTION}\n{_CWE_PREFIX} {numbered(example[:CWE_COMMON])}\n\n{_CWE_INTRO}"  # fmt: skip
+        # RULER's worked example is a turn of its own, answered after the answer prefix
+        history = ({"role": "user", "content": f"{_CWE_INTRO}{numbered(items)}{_CWE_QUESTION}"},
+                   {"role": "assistant", "content": f"{_CWE_PREFIX.lstrip()} {numbered(example[:CWE_COMMON])}"})  # fmt: skip
         common = [next(words) for _ in range(CWE_COMMON)]
         common_ids = self.encode_many([f" {w}" for w in common])
-        encoded = self.encoded_words(words)
+        taken = example_words + CWE_COMMON
 
         def body(budget: int):
+            encoded = self.encoded_words(itertools.islice(_word_stream(random.Random(order)), taken, None))
             listed = [ids for ids in common_ids for _ in range(common_n)]
             cost = sum(map(len, listed)) + sum(len(self.number(i + 1)) for i in range(len(listed)))
             if cost > budget:
@@ -607,7 +643,7 @@ class _Builder:
                 ids = next(encoded)
             return out[:budget], []
 
-        return _Draft(head, _CWE_QUESTION, _CWE_PREFIX, common, body, ordered=False)
+        return _Draft(_CWE_INTRO, _CWE_QUESTION, _CWE_PREFIX, common, body, ordered=False, history=history)
 
     def encoded_words(self, words: Iterator[str]) -> Iterator[list[int]]:
         """The tokens of ``" {word}"`` for each word, encoded a batch at a time."""
@@ -617,7 +653,9 @@ class _Builder:
     # --- frequent words: a coded text whose words follow a Zipf distribution ---
 
     def fwe(self, name: str, task: Task, length: int, sample: int, rng: random.Random) -> _Draft:
-        size = max(length // 50, 5)  # RULER's vocabulary: one coded word per 50 tokens
+        size = max(
+            (length - self.new_tokens[name]) // 50, 5
+        )  # RULER's vocabulary: a word per 50 prompt tokens
         vocab: set[str] = set()
         while len(vocab) < size:
             vocab.add("".join(rng.choices(string.ascii_lowercase, k=6)))
@@ -668,9 +706,9 @@ class _Builder:
                 out += [*self.encode(f"Document {i + 1}:\n"), *texts[doc]]
             return out, gold
 
-        head = f"{_QA_INSTRUCTION}\n\nThe documents:\n\n"
+        head = f"{_QA_INSTRUCTION}\n\nThe following are given documents.\n\n"
         tail = f"\n\n{_QA_INSTRUCTION}\n\nQuestion: {question.question}"
-        return _Draft(head, tail, " Answer:", question.answers, body, ordered=task.one_order, separator="")
+        return _Draft(head, tail, _QA_PREFIX, question.answers, body, ordered=task.one_order, separator="")
 
 
 def _zipf_counts(lens: list[int], budget: int) -> tuple[list[int], int]:
@@ -720,9 +758,10 @@ def _variables(rng: random.Random, count: int, letters: int) -> list[str]:
 
 
 def _chain(names: list[str], value: int) -> list[str]:
-    """``['VAR ABCDE = 12345', 'VAR FGHIJ = VAR ABCDE', ...]``: each variable bound to the one before."""
+    """``['VAR ABCDE = 12345', 'VAR FGHIJ = VAR ABCDE ', ...]``: each variable bound to the one before (with
+    RULER's space after each hop)."""
     return [f"VAR {names[0]} = {value}"] + [
-        f"VAR {b} = VAR {a}" for a, b in zip(names, names[1:], strict=False)
+        f"VAR {b} = VAR {a} " for a, b in zip(names, names[1:], strict=False)
     ]
 
 
