@@ -277,6 +277,83 @@ def test_the_references_are_found_in_the_prompt_and_the_needles_where_the_offset
                     assert shown.startswith("Document "), (name, case.task, shown)
 
 
+# NVIDIA/RULER's task templates and answer prefixes (scripts/data/synthetic/constants.py, Apache-2.0), as
+# its generators fill them. The reference generators themselves cannot run in this suite: lm-eval 0.4.13's
+# RULER tasks pull 38 more packages (scipy, scikit-learn, nltk among them) into the test environment, and
+# both it and RULER's scripts download NLTK's punkt model and the essays at run time.
+RULER_TEXT = {
+    "niah": "Some special magic {v} are hidden within the following text. Make sure to memorize it. I will quiz "
+    "you about the {v} afterwards.\n{context}\nWhat are all the special magic {v} for {query} mentioned in the "
+    "provided text? The special magic {v} for {query} mentioned in the provided text are",
+    "vt": "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\n"
+    "Question: Find all variables that are assigned the value {query} in the text above. Answer: According to "
+    "the chain(s) of variable assignment in the text above, {num_v} variables are assigned the value {query}, "
+    "they are: ",
+    "cwe": "Below is a numbered list of words. In these words, some appear more often than others. Memorize the "
+    "ones that appear most often.\n{context}\nQuestion: What are the 10 most common words in the above list? "
+    "Answer: The top 10 words that appear most often in the list are:",
+    "fwe": "Read the following coded text and track the frequency of each coded word. Find the three most "
+    "frequently appeared coded words. {context}\nQuestion: Do not provide any explanation. Please ignore the "
+    "dots '....'. What are the three most frequently appeared words in the above coded text? Answer: According "
+    "to the coded text above, the three most frequently appeared words are:",
+    "qa": "Answer the question based on the given documents. Only give me the answer and do not output any "
+    "other words.\n\nThe following are given documents.\n\n{context}\n\nAnswer the question based on the given "
+    "documents. Only give me the answer and do not output any other words.\n\nQuestion: {query} Answer:",
+}
+
+
+def ruler_pattern(task: str) -> re.Pattern:
+    """RULER's text of ``task`` with its slots open: ``context`` (the haystack), ``query``, ``num_v``."""
+    family = ruler.TASKS[task].family
+    text = RULER_TEXT[family]
+    if family == "niah":
+        kind = ruler.TASKS[task].value
+        if ruler.TASKS[task].values * ruler.TASKS[task].queries == 1:  # RULER's own edits for one value
+            text = text.replace("Some", "A").replace("are all", "is").replace("are", "is")
+            kind = kind[:-1]
+        text = text.replace("{v}", kind)
+    slots = {"{context}": "(?P<context>.+)", "{query}": "(?P<query>.+?)", "{num_v}": "5"}
+    pattern = re.escape(text)
+    for slot, group in slots.items():
+        pattern = pattern.replace(re.escape(slot), group, 1).replace(re.escape(slot), "(?P=query)")
+    return re.compile(pattern + "$", re.S)
+
+
+def test_each_task_is_rulers_text_around_a_haystack_of_rulers_units(tokenizer, qa_data):
+    """Task by task: RULER's template and answer prefix, in RULER's turn layout; its haystack units."""
+    cases = build(tokenizer, qa_data, lengths=[1500], samples_per_task=1, prefix_in="user")
+    for case in cases:
+        found = ruler_pattern(case.task).match(case.prompt.messages[-1]["content"])
+        assert found, (case.task, case.prompt.messages[-1]["content"][-300:])
+        context, family = found["context"], ruler.TASKS[case.task].family
+        if family == "niah":
+            needles = NEEDLE.findall(context)
+            assert sorted(v for k, v in needles if k in found["query"]) == sorted(case.references), case.task
+            haystack = ruler.TASKS[case.task].haystack
+            if haystack == "noise":  # every line RULER's noise sentence but the needle's (and a cut last one)
+                lines = context.split("\n")
+                assert sum(line == ruler.NOISE for line in lines) >= len(lines) - 3, case.task
+            elif haystack == "needles":
+                assert len(needles) > 10 and all(line.startswith("One of the special magic") for line in context.split("\n")[:-1])  # fmt: skip
+        elif family == "vt":
+            assert re.search(rf"^VAR {case.references[0]} = {found['query']}$", context, re.M)
+            for a, b in zip(case.references, case.references[1:], strict=False):
+                assert f"\nVAR {b} = VAR {a} \n" in context + "\n"  # RULER's space after each hop
+        elif family == "cwe":  # RULER's example is the turn before, answered after the answer prefix
+            example, answer = (m["content"] for m in case.prompt.messages[:2])
+            assert [m["role"] for m in case.prompt.messages] == ["user", "assistant", "user"]
+            assert example.startswith(RULER_TEXT["cwe"][:40]) and example.endswith("in the above list?")
+            assert re.fullmatch(
+                r"Answer: The top 10 words that appear most often in the list are: 1\. \S+( \d+\. \S+){9}",
+                answer,
+            )
+            assert re.match(r"1\. \S+ 2\. \S+ 3\. ", context)
+        elif family == "fwe":
+            assert set(context.split()) >= {"...", *case.references}
+        else:
+            assert re.match(r"Document 1:\n", context) and found["query"].endswith("?")
+
+
 def test_needles_sit_at_rulers_depths_and_distractors_never_carry_the_asked_key(tokenizer, qa_data):
     cases = build(
         tokenizer, qa_data, tasks=["niah_single_2", "niah_multikey_1", "niah_multikey_2"], samples_per_task=6

@@ -1,25 +1,40 @@
-"""RULER's synthetic long-context tasks (NVIDIA/RULER), built in token ids at exact lengths, and their scores.
+"""RULER's long-context tasks (NVIDIA/RULER), built as RULER builds them at its lengths, and their scores.
 
-Every instance is one user turn of exactly ``length`` tokens, chat template included (and the task's answer
-prefix after it, when asked for)::
+An instance is RULER's text: the task's template (its instructions, the haystack with its needles, the
+question) as the user's message, the chat template around it, and the task's answer prefix after the
+generation prompt (local models) or at the end of the user's message (served models, as RULER sends API
+models). cwe's worked example is a turn of its own before it, vt's opens the user's message. A length is
+RULER's: the prompt and the task's generation budget, so the 128k column runs on a 131,072-position model::
 
-    [template before][head: instructions, a worked example][body: haystack with needles][question][after][prefix]
-                                                                  ^ needle_offsets
+    [chat template, (cwe: example turn)][template head][haystack with needles][question][generation prompt][prefix]
+                                                              ^ needle_offsets
+    len(prompt) + new_tokens == length   (QA keeps whole documents, as RULER: it may fall short, never over)
 
-The body is cut to the exact count that makes up ``length``; the needles go between its units (sentences,
-lines, list items, documents), never into one. Each instance draws its randomness from
-``(seed, task, length, sample)``, so the same seed gives the same prompts whatever else is asked.
+The prompt is the rendered chat encoded once (``longalign.eval.models.ChatFrame``), as pre-tokenize
+encodes a training chat; the haystack is counted in tokens and cut to the count that makes up the length,
+then moved by the few tokens that merge at its edges. The needles go between its units (sentences, lines,
+list items, documents), never into one. Each instance draws its randomness from ``(seed, task, length,
+sample)``, so the same seed gives the same prompts whatever else is asked.
 
     cases = build_instances(tokenizer, tasks=["niah_single_1", "vt"], lengths=[4096, 8192],
                             samples_per_task=20, seed=0)
     replies = generator.generate([case.prompt for case in cases])
     rows = [generation_row(case, reply) for case, reply in zip(cases, replies)]
-    summary(rows)  -> {'by_task_length': {'niah_single_1': {'4096': 100.0, ...}, ...},
-                       'average_by_length': {'4096': 97.5, '8192': 90.0}, 'effective_length': 8192, 'n': 80, ...}
+    summary(rows)  -> {'by_task_length': {'niah_single_1': {'4096': 100.0, ...}, ...}, 'comparable': False,
+                       'not_comparable_because': ['tasks not run: niah_single_2, ...'],
+                       'partial_average_by_length': {'4096': 97.5, '8192': 90.0}, ...}
 
-Scores are RULER's: the share of the references found in the output (case-insensitive) x 100, or for the
-QA tasks 100 when any reference is found. The teacher-forced alternative (``--score logprob``) reads
-``answer_ids`` after the prompt with ``longalign.eval.needle.score_answers``; ``logprob_row`` scores it.
+Scores are RULER's: the share of the references found in the output (``str.lower`` on both) x 100, or for
+the QA tasks 100 when any reference is found; a failed request scores 0. The average over RULER's 13 tasks
+and the effective length are given only when all 13 ran on the reference inputs (``missing_for_comparison``).
+The teacher-forced alternative (``--score logprob``) reads ``answer_ids`` after the prompt with
+``longalign.eval.needle.score_answers``; ``logprob_row`` scores it.
+
+Where this differs from RULER's generators: the haystack may end inside a sentence or line (the exact
+length), needles in noise and needle haystacks go at RULER's depths rather than at random lines, sentences
+are split by ``longalign.eval.needle.split_sentences`` (RULER uses NLTK's punkt), and keys and cwe's words
+come from wonderwords' lists with its profanity list left out (RULER's extra English word list, used past
+wonderwords' size, is replaced by adjective-noun pairs).
 """
 
 from __future__ import annotations
