@@ -169,7 +169,8 @@ def _ruler_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--lengths",
         default=",".join(f"{n // 1024}k" for n in RULER_LENGTHS),
-        help="prompt lengths in tokens, chat template (and answer prefix) included (4k = 4096)",
+        help="lengths in tokens as RULER counts them: the prompt (chat template and answer prefix included) "
+        "and the task's generation budget (4k = 4096)",
     )
     parser.add_argument(
         "--tasks",
