@@ -129,6 +129,7 @@ def fit_length(make: Callable[[int], T], tokens: Callable[[T], int], target: int
     under, over = 0, None  # the largest n found short of target, the smallest found past it
     n, last, scale = guess, None, 1
     for _ in range(_FIT_TRIES):
+        n = max(n, 1)
         result = make(n)
         count = tokens(result)
         if count == target:

@@ -429,6 +429,8 @@ class _Builder:
         self.seed = seed
         self.families = {"niah": self.niah, "vt": self.vt, "cwe": self.cwe, "fwe": self.fwe, "qa": self.qa}
         self._numbers: list[list[int]] = []  # " 1.", " 2.", ... of the numbered list
+        self._essay: list[list[int]] = []  # the essays' first sentences, encoded
+        self._essay_tokens = 0
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False).input_ids
@@ -437,8 +439,22 @@ class _Builder:
         return self.tokenizer(texts, add_special_tokens=False).input_ids
 
     @functools.cached_property
-    def essay(self) -> list[list[int]]:
-        return nd.haystack_pool(self.tokenizer, self.haystack, seed=self.seed)
+    def essay_text(self) -> list[str]:
+        """The essays' sentences: ``--haystack``'s, or the needle's generated filler."""
+        if self.haystack is None:
+            return nd.filler_sentences(random.Random(f"haystack:{self.seed}"), nd.FILLER_SENTENCES)
+        return nd.read_haystack(self.haystack)
+
+    def essay(self, tokens: int) -> list[list[int]]:
+        """The essays' first sentences holding ``tokens`` tokens (from the first again when they run out),
+        each encoded with its leading space, as many as needed."""
+        while self._essay_tokens < tokens and len(self._essay) < len(self.essay_text):
+            more = self.encode_many(
+                [" " + t for t in self.essay_text[len(self._essay) : len(self._essay) + 512]]
+            )
+            self._essay += more
+            self._essay_tokens += sum(map(len, more))
+        return nd.sentences_from(self._essay, 0, tokens)
 
     @functools.cached_property
     def noise(self) -> list[int]:
@@ -565,7 +581,7 @@ class _Builder:
         """Units holding ``tokens`` tokens or more: essay sentences (from the first, as RULER takes the essays'
         first words), noise lines, or needles of other keys."""
         if task.haystack == "essay":
-            return nd.sentences_from(self.essay, 0, tokens)
+            return self.essay(tokens)
         if task.haystack == "noise":
             return _repeated(self.noise, tokens)
         units: list[list[int]] = []
@@ -599,9 +615,13 @@ class _Builder:
             context, question = "\n".join(lines), _VT_QUESTION.format(value=example_value)
             return f"{_VT_INTRO}{context}{question}{_VT_PREFIX.format(count=len(example_names), value=example_value)}"
 
-        noise_lines = 5  # the most that keep the example within RULER's 500 tokens (at least 5, as RULER)
-        while len(self.encode(example(noise_lines + 1))) <= VT_EXAMPLE_TOKENS:
+        # the most noise lines that keep the example within RULER's 500 tokens (at least 5, as RULER)
+        size = lambda lines: len(self.encode(example(lines)))  # noqa: E731
+        noise_lines = max(5, (VT_EXAMPLE_TOKENS - size(0)) // len(self.noise))
+        while size(noise_lines + 1) <= VT_EXAMPLE_TOKENS:
             noise_lines += 1
+        while noise_lines > 5 and size(noise_lines) > VT_EXAMPLE_TOKENS:
+            noise_lines -= 1
         names, value = _variables(rng, VT_HOPS + 1, 5), rng.randint(10_000, 99_999)
         pieces = self.encode_many([f"\n{statement}" for statement in _chain(names, value)])
         depths = sorted(rng.sample(DEPTHS, len(pieces)))
