@@ -152,7 +152,7 @@ def haystack_pool(tokenizer, source: Path | None, *, seed: int) -> list[list[int
     return tokenizer([" " + s for s in sentences], add_special_tokens=False).input_ids
 
 
-def nearest_boundary(sentence_lens: Sequence[int], haystack_len: int, depth: int) -> int:
+def nearest_boundary(sentence_lens: Sequence[int], haystack_len: int, depth: float) -> int:
     """The sentence start (or the end) within the first ``haystack_len`` tokens nearest ``depth``% of them.
 
     >>> nearest_boundary([4, 4, 4], 12, 50)    # starts 0, 4, 8 and the end 12; 50% is token 6

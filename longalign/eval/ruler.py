@@ -31,10 +31,9 @@ The teacher-forced alternative (``--score logprob``) reads ``answer_ids`` after 
 ``longalign.eval.needle.score_answers``; ``logprob_row`` scores it.
 
 Where this differs from RULER's generators: the haystack may end inside a sentence or line (the exact
-length), needles in noise and needle haystacks go at RULER's depths rather than at random lines, sentences
-are split by ``longalign.eval.needle.split_sentences`` (RULER uses NLTK's punkt), and keys and cwe's words
-come from wonderwords' lists with its profanity list left out (RULER's extra English word list, used past
-wonderwords' size, is replaced by adjective-noun pairs).
+length), sentences are split by ``longalign.eval.needle.split_sentences`` (RULER uses NLTK's punkt), and
+keys and cwe's words come from wonderwords' lists with its profanity list left out (RULER's extra English
+word list, used past wonderwords' size, is replaced by adjective-noun pairs).
 """
 
 from __future__ import annotations
@@ -398,7 +397,7 @@ def _repeated(unit: list[int], tokens: int) -> list[list[int]]:
     return [unit] * -(-tokens // len(unit))
 
 
-def _insert(units: list[list[int]], tokens: int, pieces: list[list[int]], depths: list[int]):
+def _insert(units: list[list[int]], tokens: int, pieces: list[list[int]], depths: list[float]):
     """Units cut to ``tokens`` with ``pieces`` put at the unit boundaries nearest ``depths`` (sorted, percent).
 
     Returns the ids and each piece's offset in them, in the pieces' order.
@@ -556,7 +555,7 @@ class _Builder:
         pieces = self.encode_many(
             [sep + NEEDLE.format(kind=task.value, key=keys[k], value=values[k][v]) for k, v in needles]
         )
-        depths = sorted(rng.sample(DEPTHS, len(needles)))
+        depths = _depths(rng, len(needles), lines=task.haystack != "essay")
         needed = sum(map(len, pieces))
 
         def body(budget: int):
@@ -624,7 +623,7 @@ class _Builder:
             noise_lines -= 1
         names, value = _variables(rng, VT_HOPS + 1, 5), rng.randint(10_000, 99_999)
         pieces = self.encode_many([f"\n{statement}" for statement in _chain(names, value)])
-        depths = sorted(rng.sample(DEPTHS, len(pieces)))
+        depths = _depths(rng, len(pieces), lines=True)
         needed = sum(map(len, pieces))
 
         def body(budget: int):
@@ -744,6 +743,14 @@ class _Builder:
         head = f"{_QA_INSTRUCTION}\n\nThe following are given documents.\n\n"
         tail = f"\n\n{_QA_INSTRUCTION}\n\nQuestion: {question.question}"
         return _Draft(head, tail, _QA_PREFIX, question.answers, body, ordered=task.one_order, separator="")
+
+
+def _depths(rng: random.Random, count: int, *, lines: bool) -> list[float]:
+    """Where ``count`` needles go, in percent of the haystack, sorted: in essays, RULER's depths (``DEPTHS``,
+    without repeats); among lines (noise, other needles, vt's chain), anywhere, as RULER picks random lines."""
+    if lines:
+        return sorted(100 * rng.random() for _ in range(count))
+    return sorted(rng.sample(DEPTHS, count))
 
 
 def _zipf_counts(lens: list[int], budget: int) -> tuple[list[int], int]:
