@@ -673,6 +673,21 @@ def test_qa_files_in_other_shapes_are_named(tmp_path):
         ruler.read_squad(bad)
 
 
+def test_an_essays_file_in_another_shape_is_named(tmp_path):
+    essays = tmp_path / "PaulGrahamEssays.json"
+    essays.write_text(json.dumps({"essays": ["A text."]}))
+    with pytest.raises(
+        InputError, match=r'PaulGrahamEssays.json: expected \{"text": "..."\}.*no "text" string'
+    ):
+        nd.read_haystack(essays)
+    essays.write_text("{not json")
+    with pytest.raises(InputError, match="PaulGrahamEssays.json: not a JSON file"):
+        nd.read_haystack(essays)
+    essays.write_text(json.dumps({"text": "One essay. Its second sentence!"}))
+    assert nd.read_haystack(essays) == ["One essay.", "Its second sentence!"]
+    assert ruler.is_essays_file(essays) and not ruler.is_essays_file(tmp_path / "a.txt")
+
+
 def test_hotpot_gold_documents_are_the_supporting_facts_paragraphs(tokenizer, qa_data):
     case = build(tokenizer, qa_data, tasks=["qa_hotpot"], lengths=[1500], samples_per_task=1)[0]
     golds = [tokenizer.decode(case.prompt.input_ids[o : o + 12]) for o in case.needle_offsets]
