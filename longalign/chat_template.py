@@ -113,12 +113,17 @@ def profile_tokenizer(tokenizer) -> TokenizerProfile:
     return TokenizerProfile(
         markers=markers,
         layout=None if markers else learn_turn_layout(tokenizer),
-        control_ids=frozenset(i for i, tok in added.items() if tok.special),
+        control_ids=control_ids(tokenizer),
         # longest first, so that a token whose text starts with another's is named whole
         control_text=re.compile("|".join(map(re.escape, control))) if control else None,
         max_token_bytes=longest_token_bytes(tokenizer),
         strips_whitespace=any(tok.lstrip or tok.rstrip for tok in added.values()),
     )
+
+
+def control_ids(tokenizer) -> frozenset[int]:
+    """The tokenizer's special added tokens: the ones a chat template writes to frame turns."""
+    return frozenset(i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special)
 
 
 def longest_token_bytes(tokenizer) -> int | None:

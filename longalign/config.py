@@ -443,7 +443,7 @@ class RulerTaskConfig:
     lengths: list[int | str] = field(default_factory=lambda: list(RULER_LENGTHS))  # whole prompt: 4096, "4k"
     samples_per_task: int = 100  # prompts per task and length
     seed: int = 0  # the prompts' randomness
-    haystack: str | None = None  # essay text: a .txt file or a directory of them; default: filler sentences
+    haystack: str | None = None  # essays: RULER's PaulGrahamEssays.json, .txt file(s); default: filler
     hotpot: str | None = None  # HotpotQA's JSON, for qa_hotpot
     pack_tokens: int | None = None  # tokens per packed row; default: the longest prompt with its answer
     threshold: float | None = None  # of the effective length; default: RULER's 85.6

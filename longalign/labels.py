@@ -65,19 +65,16 @@ def encode_rendering(
     One pass over the whole text, as the tokenizer reads it. ``quoted`` (from ``quoted_control_text``)
     asks for message text that spells a control token to be read as text, not as the token.
     """
-    enc = tokenizer(rendering.text, add_special_tokens=False, return_offsets_mapping=True)
-    input_ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
-    if quoted is not None:
-        if rendering.contents is None:
-            index, token = quoted
-            raise RecordError(
-                "template_error",
-                f"message {index} spells the control token {token!r}, and the chat template rewrites message "
-                "text, so it cannot be kept as text (--special-tokens-in-text parse reads it as the token)",
-            )
-        input_ids, offsets = _reencode_quoted(
-            tokenizer, rendering.text, input_ids, offsets, rendering.contents, profile.control_ids
+    if quoted is not None and rendering.contents is None:
+        index, token = quoted
+        raise RecordError(
+            "template_error",
+            f"message {index} spells the control token {token!r}, and the chat template rewrites message "
+            "text, so it cannot be kept as text (--special-tokens-in-text parse reads it as the token)",
         )
+    input_ids, offsets = encode_text(
+        tokenizer, rendering.text, rendering.contents if quoted else None, profile.control_ids
+    )
     if profile.markers:
         is_target = _overlapping(offsets, rendering.targets)
     else:
@@ -85,6 +82,25 @@ def encode_rendering(
         _close_turns(tokenizer, input_ids, is_target, profile.control_ids)
     labels = [t if m else IGNORE_INDEX for t, m in zip(input_ids, is_target, strict=True)]
     return input_ids, labels
+
+
+def encode_text(
+    tokenizer,
+    text: str,
+    contents: list[tuple[int, int]] | None,
+    control: frozenset[int],
+) -> tuple[list[int], list[tuple[int, int]]]:
+    """A rendered chat's token ids and each token's character span: the whole text encoded in one pass.
+
+    ``contents`` (the character spans of the messages' text, or None) asks for message text that spells a
+    control token to be read as text (``_reencode_quoted``). Pre-tokenize and every eval prompt encode a
+    chat this way, so a prompt is the token sequence the model was trained on.
+    """
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    input_ids, offsets = list(enc["input_ids"]), list(enc["offset_mapping"])
+    if contents is None:
+        return input_ids, offsets
+    return _reencode_quoted(tokenizer, text, input_ids, offsets, contents, control)
 
 
 def _reencode_quoted(

@@ -442,3 +442,12 @@ def counted_real_steps(work: Path, lengths: list[int], overrides: list[str], *, 
     split = cfg.training.sequence_parallel_size
     peaks = {length: min(s[key] for s in steps if s["tokens"] * split == length) for length in lengths}
     return peaks, cfg
+
+
+def frame_ids(tokenizer) -> tuple[list[int], list[int]]:
+    """The token ids of the chat template's text before and after a user message (generation prompt included)."""
+    from longalign.eval.models import chat_frame
+
+    frame = chat_frame(tokenizer)
+    encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
+    return encode(frame.before), encode(frame.after)

@@ -23,7 +23,8 @@ that applies:
    429 with ``Retry-After: <retry_after>``;
 5. n a multiple of ``fail_every``: 500;
 6. otherwise 200 with ``reply(body)`` as it is (line breaks kept), or its first ``max_tokens`` words
-   when it has more and the request sets ``max_tokens`` (finish_reason "length", else "stop"), and
+   when it has more, the request sets ``max_tokens`` and ``cut_to_max_tokens`` is on (the default;
+   finish_reason "length", else "stop"), and
    ``usage`` counting whitespace-separated words: those of every message's content as prompt tokens,
    those of the reply as completion tokens.
 
@@ -69,8 +70,10 @@ class OpenAIStub:
         reject: Callable[[dict[str, Any]], str | None] | None = None,  # a message: answer 400 with it
         hold_batches: threading.Event | None = None,
         fail_batch_line: Callable[[dict[str, Any]], bool] | None = None,
+        cut_to_max_tokens: bool = True,  # False: the whole reply whatever max_tokens says (an echo of a long prompt)
     ) -> None:
         self.reply = reply
+        self.cut_to_max_tokens = cut_to_max_tokens
         self.key = key
         self.model = model
         self.fail_every = fail_every
@@ -156,7 +159,7 @@ class OpenAIStub:
         reply = self.reply(body)
         words = reply.split()
         limit = body.get("max_tokens")
-        cut = limit is not None and len(words) > limit
+        cut = self.cut_to_max_tokens and limit is not None and len(words) > limit
         text = " ".join(words[:limit]) if cut else reply
         prompt_words = sum(len(str(m.get("content", "")).split()) for m in body["messages"])
         return {

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 from longalign.errors import InputError
 from longalign.eval.chat import middle_cut, middle_cut_prompt, read_chat_cases, read_examples
 from longalign.eval.judge import Example, JudgeCase, judge_message, parse_rating
-from longalign.eval.models import template_frame
+from longalign.eval.models import chat_frame
 
 
 @pytest.mark.parametrize(
@@ -81,9 +81,10 @@ def test_a_long_prompt_loses_its_middle_in_token_space_to_fit_max_length():
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
     text = "Start of the document. " + "Filler words go here. " * 300 + "The question at the end?"
     prompt = middle_cut_prompt(tokenizer, text, max_length=200)
-    before, after = template_frame(tokenizer)
+    frame = chat_frame(tokenizer)
     assert len(prompt.input_ids) == 200
-    assert prompt.input_ids[: len(before)] == before and prompt.input_ids[-len(after) :] == after
+    text = frame.before + prompt.messages[0]["content"] + frame.after  # encoded in one pass
+    assert prompt.input_ids == tokenizer(text, add_special_tokens=False).input_ids
     assert prompt.messages[0]["content"].startswith("Start of the document.")
     assert prompt.messages[0]["content"].endswith("The question at the end?")
     assert len(middle_cut_prompt(tokenizer, "Short.", max_length=200).input_ids) < 200

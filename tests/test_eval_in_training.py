@@ -37,6 +37,7 @@ from longalign.cli import main
 from longalign.config import EvalTasksConfig, NeedleTaskConfig, load_config
 from longalign.errors import ConfigError
 from longalign.eval import needle as nd
+from longalign.eval import ruler
 from longalign.eval.in_training import (
     EvalTasksCallback,
     NeedleTask,
@@ -50,8 +51,8 @@ from longalign.trainer import LongAlignTrainer
 
 # 2 lengths x 3 depths: 6 prompts in 5 rows of up to 307 tokens (the two shortest share one), so on 2
 # ranks one rank has a row fewer and repeats one in lockstep.
-GRID = {"lengths": [100, 300], "depths": [0, 50, 100], "samples_per_cell": 1}
-COMMAND_GRID = ["--lengths", "100,300", "--depths", "0,50,100", "--samples-per-cell", "1"]
+GRID = {"lengths": [110, 300], "depths": [0, 50, 100], "samples_per_cell": 1}
+COMMAND_GRID = ["--lengths", "110,300", "--depths", "0,50,100", "--samples-per-cell", "1"]
 
 # Each task of these tests: its [eval_tasks] table and the command's flags for the same prompts.
 RUN_TASKS = {
@@ -68,8 +69,12 @@ def logged_numbers(name: str, summary: dict) -> dict[str, float]:
     if name == "needle":
         return {"eval_tasks/needle": summary["overall"], "eval_tasks/needle/logprob": summary["mean_logprob"]}
     return {
-        "eval_tasks/ruler/effective_length": summary["effective_length"] or 0,
-        **{f"eval_tasks/ruler/{n}": v for n, v in summary["average_by_length"].items()},
+        # teacher-forced tasks are never RULER's 13: the run logs their partial average and its effective length
+        "eval_tasks/ruler/effective_length": ruler.effective_length(
+            {int(n): v for n, v in summary["partial_average_by_length"].items()}, summary["threshold"]
+        )
+        or 0,
+        **{f"eval_tasks/ruler/{n}": v for n, v in summary["partial_average_by_length"].items()},
         **{
             f"eval_tasks/ruler/{t}/{n}": v
             for t, cells in summary["by_task_length"].items()
@@ -144,7 +149,7 @@ def test_prompts_that_do_not_fit_name_the_key(tokenizer):
         build_tasks(
             EvalTasksConfig(needle={"every_steps": 1, "lengths": [20]}), tokenizer, context_limit=None
         )
-    with pytest.raises(ConfigError, match="eval_tasks.ruler.lengths 300: too short for vt"):
+    with pytest.raises(ConfigError, match="eval_tasks.ruler.lengths 300: too short for niah_multikey_1"):
         build_tasks(
             EvalTasksConfig(ruler={"every_steps": 1, "lengths": [300]}), tokenizer, context_limit=None
         )

@@ -13,6 +13,7 @@ from conftest import (
     TOKENIZER,
     assert_packed_scoring_is_exact,
     assert_relatively_close,
+    frame_ids,
     save_tiny_model,
     tiny_model,
 )
@@ -22,7 +23,7 @@ from longalign.checkpoints import convert
 from longalign.cli import main
 from longalign.errors import ConfigError
 from longalign.eval import needle as nd
-from longalign.eval.models import LocalGenerator, Reply, load_model, template_frame
+from longalign.eval.models import LocalGenerator, Reply, chat_frame, load_model
 from longalign.lora import merge_adapter
 
 
@@ -50,20 +51,21 @@ def grid(tokenizer, pool, **settings):
 
 
 def test_every_prompt_is_exactly_its_length_template_and_answer_prefix_included(tokenizer, pool):
-    before, after = template_frame(tokenizer)
+    frame = chat_frame(tokenizer)
     plain = grid(tokenizer, pool)
     prefixed = grid(tokenizer, pool, with_answer_prefix=True)
     for cases in (plain, prefixed):
         assert [len(c.prompt.input_ids) for c in cases] == [c.length for c in cases]
-        assert all(c.prompt.input_ids[: len(before)] == before for c in cases)
-    assert all(c.prompt.input_ids[-len(after) :] == after for c in plain)
+    for case in plain:  # the rendered chat encoded in one pass
+        text = frame.before + case.prompt.messages[0]["content"] + frame.after
+        assert case.prompt.input_ids == tokenizer(text, add_special_tokens=False).input_ids
     for case in prefixed:
         assert re.search(r"special magic number for \S+ is$", tokenizer.decode(case.prompt.input_ids))
 
 
 def test_the_needle_starts_within_one_sentence_of_its_depth(tokenizer, pool):
     encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
-    before, after = template_frame(tokenizer)
+    before, after = frame_ids(tokenizer)
     needle_ids = encode(" " + FIXED.text)
     question = encode(nd.QUESTION_FORM.format(question=FIXED.question))
     start = len(before) + len(encode(nd.INTRO))

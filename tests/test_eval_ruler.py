@@ -20,7 +20,8 @@ from longalign.cli import main
 from longalign.errors import ConfigError, InputError
 from longalign.eval import needle as nd
 from longalign.eval import ruler
-from longalign.eval.models import Reply, template_frame
+from longalign.eval.models import Reply, chat_frame, check_fits
+from longalign.labels import tokenize_conversation
 
 KEY = "sk-ruler-test-77c1"
 SYNTHETIC = [t for t, task in ruler.TASKS.items() if task.family != "qa"]
@@ -137,8 +138,10 @@ def one(tokenizer, task: str, length: int, **settings) -> ruler.RulerCase:
 
 # --- solvers: each family read back out of the prompt's text ------------------------------------------------
 
-NEEDLE = re.compile(r"(\S+) has a special magic (?:number|UUID): (\S+)\.")
-QUERY = re.compile(r"which special magic (?:number|UUID)s? of (.+?) appears? in the text above\?")
+NEEDLE = re.compile(r"One of the special magic (?:numbers|uuids) for (\S+) is: (\S+)\.")
+QUERY = re.compile(
+    r"What (?:is|are all) the special magic (?:number|uuid)s? for (.+?) mentioned in the provided text\?"
+)
 
 
 def solve_niah(text: str, question: str) -> str:
@@ -176,24 +179,24 @@ def solve_qa(text: str, question: str) -> str:
 
 
 SOLVERS = {"niah": solve_niah, "vt": solve_vt, "cwe": solve_cwe, "fwe": solve_fwe, "qa": solve_qa}
-INTROS = ["Keep track of the chain", "The numbered list below", "Count how often", "The documents:",
-          "A special magic", "Special magic"]  # fmt: skip
+INTROS = ["Memorize and track the chain", "Below is a numbered list", "Read the following coded text",
+          "The following are given documents", "A special magic", "Some special magic"]  # fmt: skip
 
 
 def parts(content: str) -> tuple[str, str]:
     """The task's text (after the worked example, if any) and its question."""
     start = max(content.rfind(intro) for intro in INTROS)
-    text, _, question = content[start:].rpartition("\nQuestion:")
-    return text, question
+    cut = max(content.rfind("\nQuestion:"), content.rfind("\nWhat "))
+    return content[start:cut], content[cut:]
 
 
 def family_of(content: str) -> str:
     text, question = parts(content)
-    if "variables are assigned" in question:
+    if "assigned the value" in question:
         return "vt"
     if "numbered list" in text[:100]:
         return "cwe"
-    if "coded word" in question:
+    if "coded text" in question:
         return "fwe"
     return "qa" if "documents" in text[:100] else "niah"
 
@@ -207,36 +210,148 @@ def solve(content: str, *, first_half: bool = False) -> str:
 
 
 @pytest.mark.parametrize("name", ["llama3", "glm4", "chatml", "metaspace"])
-def test_every_task_and_length_is_exact_with_the_chat_template_and_the_prefix(tokenizers, qa_data, name):
+def test_every_prompt_and_its_budget_make_the_length_and_the_chat_is_encoded_once(tokenizers, qa_data, name):
     tok = tokenizers[name]
-    before, after = template_frame(tok)
-    for prefixed in (False, True):
-        cases = build(
-            tok, qa_data, lengths=[1000, 1777, 5000], samples_per_task=1, with_answer_prefix=prefixed
-        )
-        assert len(cases) == 3 * len(ruler.TASKS)
-        assert [len(c.prompt.input_ids) for c in cases] == [c.length for c in cases]
+    for prefix_in in (
+        ("assistant", "user") if name == "llama3" else ("user" if name == "glm4" else "assistant",)
+    ):
+        cases = build(tok, qa_data, lengths=[1000, 1777], samples_per_task=1, prefix_in=prefix_in)
+        assert len(cases) == 2 * len(ruler.TASKS)
         for case in cases:
-            ids = case.prompt.input_ids
-            assert ids[: len(before)] == before
-            prefix = tok(case.answer_prefix, add_special_tokens=False).input_ids if prefixed else []
-            assert ids[len(ids) - len(prefix) - len(after) :] == [*after, *prefix], (name, case.task)
+            used = len(case.prompt.input_ids) + case.new_tokens
+            if case.task.startswith("qa"):  # whole documents, as RULER: it may fall short, never over
+                assert used <= case.length, (name, case.task)
+            elif name == "metaspace":  # a merge can skip the count: then the longest under it
+                assert case.length - 3 <= used <= case.length, (name, case.task)
+            else:
+                assert used == case.length, (name, case.task)
+        assert [c.new_tokens for c in cases[::2]] == [t.new_tokens for t in ruler.TASKS.values()]
+        for case in cases:
+            content = case.prompt.messages[-1]["content"]
+            after = case.answer_prefix if prefix_in == "assistant" else ""
+            assert content.endswith(case.answer_prefix) == (prefix_in == "user"), (name, case.task)
+            rendered = tok.apply_chat_template(
+                case.prompt.messages, tokenize=False, add_generation_prompt=True
+            )
+            text = rendered + after
+            assert case.prompt.input_ids == tok(text, add_special_tokens=False).input_ids, (name, case.task)
+
+
+@pytest.mark.parametrize("name", ["llama3", "glm4"])
+def test_local_prompts_are_the_ids_pre_tokenize_gives_the_same_chat(tokenizers, name):
+    """needle, ruler and chat prompts (and [eval_tasks], built by the same functions) begin the token
+    sequence that pre-tokenize makes of the chat they ask for, answered."""
+    tok = tokenizers[name]
+    needles = nd.build_cases(tok, nd.haystack_pool(tok, None, seed=0), lengths=[300], depths=[0, 50], samples=1,
+                             seed=0)  # fmt: skip
+    tasks = ["niah_single_1", "niah_multiquery", "vt", "cwe", "fwe"]
+    rulers = ruler.build_instances(tok, tasks=tasks, lengths=[1000], samples_per_task=1, seed=0)
+    chat = chat_frame(tok).prompt("What does zip do?\n\nAnswer in one line.")
+    asked = [(c.prompt, "", c.answer) for c in needles]  # (prompt, its answer prefix, a reply)
+    asked += [(c.prompt, c.answer_prefix, f"{c.answer_prefix} {', '.join(c.references)}") for c in rulers]
+    asked += [(chat, "", "It pairs items.")]
+    for prompt, after, reply in asked:
+        ids = prompt.input_ids
+        text = tok.apply_chat_template(prompt.messages, tokenize=False, add_generation_prompt=True) + after
+        assert ids == tok(text, add_special_tokens=False).input_ids  # the rendered chat, encoded once
+        chat_ids, _ = tokenize_conversation(tok, [*prompt.messages, {"role": "assistant", "content": reply}])
+        # pre-tokenize's ids of the answered chat: the same, but the last token, which training can merge
+        # with the answer ('\n\n' + 'The' is '\n', '\n', 'The' to the shipped tokenizer)
+        assert chat_ids[: len(ids) - 1] == ids[:-1], prompt.messages[0]["content"][:60]
 
 
 def test_the_references_are_found_in_the_prompt_and_the_needles_where_the_offsets_say(tokenizers, qa_data):
     for name, tok in tokenizers.items():
-        for case in build(tok, qa_data):
-            content = case.prompt.messages[0]["content"]
+        for case in build(tok, qa_data, samples_per_task=1):
+            content = case.prompt.messages[-1]["content"]
             assert ruler.score_output(case.task, case.references, solve(content)) == 100.0, (name, case.task)
             ids = case.prompt.input_ids
             for offset, reference in zip(case.needle_offsets, case.references, strict=False):
-                shown = tok.decode(ids[offset : offset + 80])
-                if ruler.TASKS[case.task].family == "niah":
-                    assert NEEDLE.match(shown.strip()) and reference in shown, (name, case.task, shown)
+                shown = tok.decode(ids[offset : offset + 120])
+                if ruler.TASKS[case.task].family == "niah":  # the needle starts in the first token shown
+                    found = NEEDLE.search(shown)
+                    assert found and found.start() <= 3 and reference in shown, (name, case.task, shown)
                 elif case.task == "vt":
                     assert shown.strip().startswith(f"VAR {reference} ="), (name, shown)
                 else:
                     assert shown.startswith("Document "), (name, case.task, shown)
+
+
+# NVIDIA/RULER's task templates and answer prefixes (scripts/data/synthetic/constants.py, Apache-2.0), as
+# its generators fill them. The reference generators themselves cannot run in this suite: lm-eval 0.4.13's
+# RULER tasks pull 38 more packages (scipy, scikit-learn, nltk among them) into the test environment, and
+# both it and RULER's scripts download NLTK's punkt model and the essays at run time.
+RULER_TEXT = {
+    "niah": "Some special magic {v} are hidden within the following text. Make sure to memorize it. I will quiz "
+    "you about the {v} afterwards.\n{context}\nWhat are all the special magic {v} for {query} mentioned in the "
+    "provided text? The special magic {v} for {query} mentioned in the provided text are",
+    "vt": "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\n"
+    "Question: Find all variables that are assigned the value {query} in the text above. Answer: According to "
+    "the chain(s) of variable assignment in the text above, {num_v} variables are assigned the value {query}, "
+    "they are: ",
+    "cwe": "Below is a numbered list of words. In these words, some appear more often than others. Memorize the "
+    "ones that appear most often.\n{context}\nQuestion: What are the 10 most common words in the above list? "
+    "Answer: The top 10 words that appear most often in the list are:",
+    "fwe": "Read the following coded text and track the frequency of each coded word. Find the three most "
+    "frequently appeared coded words. {context}\nQuestion: Do not provide any explanation. Please ignore the "
+    "dots '....'. What are the three most frequently appeared words in the above coded text? Answer: According "
+    "to the coded text above, the three most frequently appeared words are:",
+    "qa": "Answer the question based on the given documents. Only give me the answer and do not output any "
+    "other words.\n\nThe following are given documents.\n\n{context}\n\nAnswer the question based on the given "
+    "documents. Only give me the answer and do not output any other words.\n\nQuestion: {query} Answer:",
+}
+
+
+def ruler_pattern(task: str) -> re.Pattern:
+    """RULER's text of ``task`` with its slots open: ``context`` (the haystack), ``query``, ``num_v``."""
+    family = ruler.TASKS[task].family
+    text = RULER_TEXT[family]
+    if family == "niah":
+        kind = ruler.TASKS[task].value
+        if ruler.TASKS[task].values * ruler.TASKS[task].queries == 1:  # RULER's own edits for one value
+            text = text.replace("Some", "A").replace("are all", "is").replace("are", "is")
+            kind = kind[:-1]
+        text = text.replace("{v}", kind)
+    slots = {"{context}": "(?P<context>.+)", "{query}": "(?P<query>.+?)", "{num_v}": "5"}
+    pattern = re.escape(text)
+    for slot, group in slots.items():
+        pattern = pattern.replace(re.escape(slot), group, 1).replace(re.escape(slot), "(?P=query)")
+    return re.compile(pattern + "$", re.S)
+
+
+def test_each_task_is_rulers_text_around_a_haystack_of_rulers_units(tokenizer, qa_data):
+    """Task by task: RULER's template and answer prefix, in RULER's turn layout; its haystack units."""
+    cases = build(tokenizer, qa_data, lengths=[1500], samples_per_task=1, prefix_in="user")
+    for case in cases:
+        found = ruler_pattern(case.task).match(case.prompt.messages[-1]["content"])
+        assert found, (case.task, case.prompt.messages[-1]["content"][-300:])
+        context, family = found["context"], ruler.TASKS[case.task].family
+        if family == "niah":
+            needles = NEEDLE.findall(context)
+            assert sorted(v for k, v in needles if k in found["query"]) == sorted(case.references), case.task
+            haystack = ruler.TASKS[case.task].haystack
+            if haystack == "noise":  # every line RULER's noise sentence but the needle's (and a cut last one)
+                lines = context.split("\n")
+                assert sum(line == ruler.NOISE for line in lines) >= len(lines) - 3, case.task
+            elif haystack == "needles":
+                assert len(needles) > 10 and all(line.startswith("One of the special magic") for line in context.split("\n")[:-1])  # fmt: skip
+        elif family == "vt":
+            assert re.search(rf"^VAR {case.references[0]} = {found['query']}$", context, re.M)
+            for a, b in zip(case.references, case.references[1:], strict=False):
+                assert f"\nVAR {b} = VAR {a} \n" in context + "\n"  # RULER's space after each hop
+        elif family == "cwe":  # RULER's example is the turn before, answered after the answer prefix
+            example, answer = (m["content"] for m in case.prompt.messages[:2])
+            assert [m["role"] for m in case.prompt.messages] == ["user", "assistant", "user"]
+            assert example.startswith(RULER_TEXT["cwe"][:40]) and example.endswith("in the above list?")
+            assert re.fullmatch(
+                r"Answer: The top 10 words that appear most often in the list are: 1\. \S+( \d+\. \S+){9}",
+                answer,
+            )
+            assert re.match(r"1\. \S+ 2\. \S+ 3\. ", context)
+        elif family == "fwe":
+            assert set(context.split()) >= {"...", *case.references}
+        else:
+            assert re.match(r"Document 1:\n", context) and found["query"].endswith("?")
 
 
 def test_needles_sit_at_rulers_depths_and_distractors_never_carry_the_asked_key(tokenizer, qa_data):
@@ -245,7 +360,7 @@ def test_needles_sit_at_rulers_depths_and_distractors_never_carry_the_asked_key(
     )
     depths = set()
     for case in cases:
-        content = case.prompt.messages[0]["content"]
+        content = case.prompt.messages[-1]["content"]
         text, question = parts(content)
         key = QUERY.search(question)[1]
         assert [v for k, v in NEEDLE.findall(text) if k == key] == case.references
@@ -258,13 +373,13 @@ def test_needles_sit_at_rulers_depths_and_distractors_never_carry_the_asked_key(
 def test_cwe_and_fwe_counts_are_rulers(tokenizer):
     for length, common, rare in ((2000, 6, 1), (4096, 30, 3)):
         case = one(tokenizer, "cwe", length)
-        text, _ = parts(case.prompt.messages[0]["content"])
+        text, _ = parts(case.prompt.messages[-1]["content"])
         counts = Counter(re.findall(r"\d+\. (\S+)", text))
         assert all(counts[w] == common for w in case.references)
         rest = Counter(c for w, c in counts.items() if w not in case.references)
         assert max(rest) == rare and rest[rare] > 20  # a few at the end, once, to fill the exact length
     case = one(tokenizer, "fwe", 3000)
-    text, _ = parts(case.prompt.messages[0]["content"])
+    text, _ = parts(case.prompt.messages[-1]["content"])
     ranked = Counter(w for w in text.split() if re.fullmatch(r"[a-z]{6}", w)).most_common()
     assert [w for w, _ in ranked[:3]] == case.references
     assert ranked[0][1] > ranked[1][1] > ranked[2][1] > ranked[3][1]
@@ -313,25 +428,51 @@ def row(task, length, score):
     return {"task": task, "length": length, "score": score}
 
 
-def test_the_summary_averages_tasks_by_length_and_counts_failures_apart():
+def test_a_partial_run_has_no_average_and_says_why_and_a_complete_one_has_rulers():
     rows = [row("vt", 1000, 100.0), row("vt", 1000, 0.0), row("cwe", 1000, 90.0), row("vt", 2000, 50.0),
-            row("cwe", 2000, None)]  # fmt: skip
+            {**row("cwe", 2000, 0.0), "error": "500 from the server"}]  # fmt: skip
     summary = ruler.summary(rows, threshold=60.0)
     assert summary["by_task_length"] == {
         "vt": {"1000": 50.0, "2000": 50.0},
-        "cwe": {"1000": 90.0, "2000": None},
+        "cwe": {"1000": 90.0, "2000": 0.0},
     }
-    assert summary["average_by_length"] == {"1000": 70.0, "2000": 50.0}
-    assert (summary["effective_length"], summary["n"], summary["failed"]) == (1000, 5, 1)
+    assert (summary["average_by_length"], summary["effective_length"], summary["comparable"]) == (
+        None,
+        None,
+        False,
+    )
+    assert summary["partial_average_by_length"] == {"1000": 70.0, "2000": 25.0}  # a failed request scores 0
+    assert summary["not_comparable_because"] == [
+        "tasks not run: niah_single_1, niah_single_2, niah_single_3, niah_multikey_1, niah_multikey_2, "
+        "niah_multikey_3, niah_multivalue, niah_multiquery, fwe, qa_squad, qa_hotpot (--squad, --hotpot)"
+    ]
+    assert (summary["n"], summary["failed"]) == (5, 1)
     assert ruler.summary_csv(summary).splitlines() == [
-        "task,length,score", "vt,1000,50", "vt,2000,50", "cwe,1000,90", "cwe,2000,", "average,1000,70",
-        "average,2000,50"]  # fmt: skip
+        "task,length,score", "vt,1000,50", "vt,2000,50", "cwe,1000,90", "cwe,2000,0",
+        "partial average (not comparable),1000,70", "partial average (not comparable),2000,25"]  # fmt: skip
+    every = [row(t, n, 100.0 if n == 1000 or t != "vt" else 0.0) for t in ruler.TASKS for n in (1000, 2000)]
+    filler = ruler.summary(every)  # all 13 tasks, but the essays were generated filler
+    assert filler["not_comparable_because"] == [
+        "essay haystack: not RULER's essays file (--haystack PaulGrahamEssays.json)"
+    ]
+    complete = ruler.summary(every, essays=True, threshold=95.0)
+    assert complete["comparable"] and complete["not_comparable_because"] == []
+    assert complete["average_by_length"] == {"1000": 100.0, "2000": pytest.approx(1200 / 13)}
+    assert complete["effective_length"] == 1000 and complete["partial_average_by_length"] is None
+    assert ruler.summary(every, essays=True, threshold=90.0)["effective_length"] == 2000
+    assert ruler.summary_csv(complete).splitlines()[-2:] == ["average,1000,100", "average,2000,92.3077"]
 
 
-def test_a_failed_request_is_counted_not_scored(tokenizer):
-    case = one(tokenizer, "vt", 600)
+def test_a_failed_request_scores_0_and_keeps_its_error(tokenizer):
+    case = one(tokenizer, "vt", 700)
     failed = ruler.generation_row(case, Reply("", error="400 from the server: too long"))
-    assert (failed["score"], failed["error"]) == (None, "400 from the server: too long")
+    assert (failed["score"], failed["error"]) == (0.0, "400 from the server: too long")
+
+
+def test_scores_fold_case_as_rulers_lower_does():
+    # str.casefold would match "STRASSE" to "straße"; RULER's str.lower does not
+    assert ruler.score_output("qa_squad", ["straße"], "STRASSE") == 0.0
+    assert ruler.score_output("vt", ["ABCDE"], "abcde") == 100.0
 
 
 # --- against servers ----------------------------------------------------------------------------------------
@@ -360,7 +501,9 @@ def test_a_server_that_solves_each_task_scores_100_everywhere(tmp_path, qa_files
     assert len(rows) == len(requests) == len(ruler.TASKS) * 2 * 3
     assert {r["task"] for r in rows} == set(ruler.TASKS)
     assert all(r["score"] == 100.0 for r in rows)
-    assert [r["prompt_tokens"] for r in rows] == [r["length"] for r in rows]
+    for r in rows:  # QA keeps whole documents: it may fall short
+        assert r["prompt_tokens"] + r["new_tokens"] == r["length"] or r["task"].startswith("qa"), r
+        assert r["prompt_tokens"] + r["new_tokens"] <= r["length"], r
     assert set(rows[0]) >= {
         "task",
         "length",
@@ -371,22 +514,60 @@ def test_a_server_that_solves_each_task_scores_100_everywhere(tmp_path, qa_files
         "score",
     }
     assert summary["by_task_length"] == {t: {"1000": 100.0, "2000": 100.0} for t in ruler.TASKS}
-    assert summary["average_by_length"] == {"1000": 100.0, "2000": 100.0}
-    assert (summary["effective_length"], summary["n"], summary["failed"]) == (2000, 78, 0)
+    assert summary["partial_average_by_length"] == {"1000": 100.0, "2000": 100.0}  # generated essays
+    assert (summary["effective_length"], summary["n"], summary["failed"]) == (None, 78, 0)
     budgets = {ruler.TASKS[t].new_tokens for t in ruler.TASKS}
     assert {r["max_tokens"] for r in requests} == budgets  # RULER's budget per task family
     assert {p.name for p in out.iterdir()} >= {"results.jsonl", "summary.json", "summary.csv", "ruler.png",
                                                "run_config.json"}  # fmt: skip
     record = json.loads((out / "run_config.json").read_text())
-    assert record["qa_skipped"] == {"squad": 24, "hotpot": 0} and record["answer_prefix"] is False
+    assert record["qa_skipped"] == {"squad": 24, "hotpot": 0} and record["answer_prefix_in"] == "user message"
     assert KEY not in (out / "run_config.json").read_text()
-    assert "effective length 2000 (threshold 85.6)" in capsys.readouterr().out
+    assert (
+        "not comparable with RULER's table: essay haystack: not RULER's essays file"
+        in capsys.readouterr().out
+    )
 
 
-def test_by_default_every_task_that_needs_no_file_runs(tmp_path):
+def test_a_server_that_echoes_its_prompt_scores_100_on_every_task_at_4k_with_rulers_average(
+    tmp_path, qa_files, capsys
+):
+    """All 13 tasks on the reference inputs (an essays file as RULER's download writes it, the QA files):
+    RULER's average and effective length; each request ends its user message with the answer prefix."""
+    essays = tmp_path / "PaulGrahamEssays.json"
+    essays.write_text(
+        json.dumps({"text": "I wrote essays once.  They were short.\n\nNow they are long! " * 30})
+    )
+    out = tmp_path / "echo"
+    with OpenAIStub(lambda body: body["messages"][-1]["content"], key=KEY, cut_to_max_tokens=False) as server:
+        status = main(["eval", "ruler", *served(server), "--squad", str(qa_files["squad"]), "--hotpot",
+                       str(qa_files["hotpot"]), "--haystack", str(essays), "--lengths", "4k",
+                       "--samples-per-task", "1", "--output", str(out)])  # fmt: skip
+        requests = server.requests
+    assert status == 0
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["task"] for r in rows] == list(ruler.TASKS) and all(r["score"] == 100.0 for r in rows)
+    for r in rows:
+        assert r["prompt_tokens"] + r["new_tokens"] == 4096 or r["task"].startswith("qa"), r
+    contents = sorted(request["messages"][-1]["content"] for request in requests)  # in any order
+    roles = sorted(tuple(m["role"] for m in request["messages"]) for request in requests)
+    assert roles == [("user",)] * 12 + [("user", "assistant", "user")]  # cwe: RULER's example, answered
+    for r in rows:  # RULER's answer prefix closes the user's message
+        assert sum(c.endswith(r["answer_prefix"]) for c in contents) >= 1, r["answer_prefix"]
+    assert len(contents) == 13
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["comparable"] and summary["not_comparable_because"] == []
+    assert summary["average_by_length"] == {"4096": 100.0} and summary["effective_length"] == 4096
+    assert "effective length 4096 (threshold 85.6)" in capsys.readouterr().out
+
+
+def test_by_default_every_task_that_needs_no_file_runs_and_without_qa_files_there_is_no_average(tmp_path):
     reader = lambda body: solve(body["messages"][-1]["content"])  # noqa: E731
     rows, summary, _ = run_served(reader, tmp_path / "o", "--lengths", "1000", "--samples-per-task", "1")
     assert [r["task"] for r in rows] == SYNTHETIC and summary["tasks"] == SYNTHETIC
+    assert (summary["average_by_length"], summary["effective_length"]) == (None, None)
+    assert summary["partial_average_by_length"] == {"1000": 100.0} and not summary["comparable"]
+    assert summary["not_comparable_because"][0] == "tasks not run: qa_squad, qa_hotpot (--squad, --hotpot)"
 
 
 def test_a_server_that_reads_only_the_first_half_loses_the_needles_of_the_second(tmp_path):
@@ -399,34 +580,38 @@ def test_a_server_that_reads_only_the_first_half_loses_the_needles_of_the_second
         if r["task"] in single:
             depth = r["needle_offsets"][0] / r["prompt_tokens"]
             by_depth.setdefault(min(int(10 * depth), 9), []).append(r["score"])
-            if depth < 0.4:
+            if depth < 0.3:
                 assert r["score"] == 100.0, r
-            elif depth > 0.6:
+            elif depth > 0.7:
                 assert r["score"] == 0.0, r
     means = [sum(by_depth[d]) / len(by_depth[d]) for d in sorted(by_depth)]
     assert means[0] == 100.0 and means[-1] < 30.0
     assert sum(means[:3]) / 3 > sum(means[-3:]) / 3 + 50  # falls with depth
     multi = [r["score"] for r in rows if r["task"] == "niah_multiquery"]
     assert 0 < sum(multi) / len(multi) < 100  # partial recall: the needles of the first half
-    assert (
-        all(v < 85.6 for v in summary["average_by_length"].values()) and summary["effective_length"] is None
-    )
+    assert all(v < 85.6 for v in summary["partial_average_by_length"].values())
 
 
-@pytest.mark.parametrize(
-    ("threshold", "expected"), [("85.6", 1000), ("30", 2000), ("0", 3000), ("100.5", None)]
-)
-def test_the_effective_length_follows_the_threshold(tmp_path, threshold, expected):
-    def reader(body):  # a model that solves short prompts, reads half of middling ones, none of the longest
+def test_a_partial_run_prints_and_plots_its_partial_average_as_not_comparable(tmp_path, capsys):
+    def reader(body):  # a model that solves short prompts and reads half of longer ones
         content = body["messages"][-1]["content"]
-        words = len(content.split())
-        return solve(content) if words < 900 else solve(content, first_half=True) if words < 1600 else ""
+        return solve(content) if len(content.split()) < 900 else solve(content, first_half=True)
 
-    rows, summary, _ = run_served(reader, tmp_path / threshold, "--lengths", "1000,2000,3000", "--samples-per-task",
-                                  "4", "--tasks", "niah_single_1,niah_multivalue,vt", "--threshold", threshold)  # fmt: skip
-    averages = summary["average_by_length"]
-    assert averages["1000"] == 100.0 and 30 <= averages["2000"] < 85.6 and averages["3000"] < 30
-    assert summary["effective_length"] == expected and summary["threshold"] == float(threshold)
+    rows, summary, _ = run_served(reader, tmp_path / "o", "--lengths", "1000,2000", "--samples-per-task", "2",
+                                  "--tasks", "niah_single_1,vt")  # fmt: skip
+    averages = summary["partial_average_by_length"]
+    assert averages["1000"] == 100.0 and averages["2000"] < 100.0 and summary["average_by_length"] is None
+    out = capsys.readouterr().out
+    assert (
+        "partial average by length: 1000 100.0" in out
+        and "not comparable with RULER's table: tasks not run" in out
+    )
+    assert (
+        (tmp_path / "o" / "summary.csv")
+        .read_text()
+        .splitlines()[-1]
+        .startswith("partial average (not comparable),2000,")
+    )
 
 
 def test_the_same_seed_writes_the_same_file_and_another_seed_another(tmp_path):
@@ -488,6 +673,21 @@ def test_qa_files_in_other_shapes_are_named(tmp_path):
         ruler.read_squad(bad)
 
 
+def test_an_essays_file_in_another_shape_is_named(tmp_path):
+    essays = tmp_path / "PaulGrahamEssays.json"
+    essays.write_text(json.dumps({"essays": ["A text."]}))
+    with pytest.raises(
+        InputError, match=r'PaulGrahamEssays.json: expected \{"text": "..."\}.*no "text" string'
+    ):
+        nd.read_haystack(essays)
+    essays.write_text("{not json")
+    with pytest.raises(InputError, match="PaulGrahamEssays.json: not a JSON file"):
+        nd.read_haystack(essays)
+    essays.write_text(json.dumps({"text": "One essay. Its second sentence!"}))
+    assert nd.read_haystack(essays) == ["One essay.", "Its second sentence!"]
+    assert ruler.is_essays_file(essays) and not ruler.is_essays_file(tmp_path / "a.txt")
+
+
 def test_hotpot_gold_documents_are_the_supporting_facts_paragraphs(tokenizer, qa_data):
     case = build(tokenizer, qa_data, tasks=["qa_hotpot"], lengths=[1500], samples_per_task=1)[0]
     golds = [tokenizer.decode(case.prompt.input_ids[o : o + 12]) for o in case.needle_offsets]
@@ -504,7 +704,7 @@ def test_only_tasks_whose_answer_has_one_order_are_teacher_forced(tokenizer, qa_
     assert ruler.select_tasks(None, logprob=True) == [t for t in ordered if t != "qa_hotpot"]
     with pytest.raises(ConfigError, match="cwe: the answer has no one order to teacher-force"):
         ruler.select_tasks("vt,cwe", logprob=True)
-    for case in build(tokenizer, qa_data, with_answer_prefix=True):
+    for case in build(tokenizer, qa_data, prefix_in="assistant"):
         assert (case.answer_ids is None) == (case.task not in ordered)
         if case.answer_ids is not None:  # each reference's tokens, where the spans say
             for (a, b), reference in zip(case.reference_spans, case.references, strict=True):
@@ -512,7 +712,7 @@ def test_only_tasks_whose_answer_has_one_order_are_teacher_forced(tokenizer, qa_
 
 
 def test_a_reference_counts_when_each_of_its_tokens_is_the_most_likely(tokenizer):
-    case = one(tokenizer, "niah_multiquery", 900, with_answer_prefix=True)
+    case = one(tokenizer, "niah_multiquery", 900, prefix_in="assistant")
     predicted = list(case.answer_ids)
     a, _ = case.reference_spans[2]
     predicted[a] = (predicted[a] + 1) % 4096
@@ -521,11 +721,37 @@ def test_a_reference_counts_when_each_of_its_tokens_is_the_most_likely(tokenizer
 
 
 def test_packed_scoring_equals_one_prompt_at_a_time_and_the_plain_model(tokenizer, qa_data):
-    tasks = ruler.select_tasks(None, hotpot=qa_data["hotpot"], logprob=True)
-    cases = build(tokenizer, qa_data, tasks=tasks, lengths=[520], samples_per_task=1, with_answer_prefix=True)
+    tasks = [
+        t for t in ruler.select_tasks(None, hotpot=qa_data["hotpot"], logprob=True) if t != "vt"
+    ]  # vt: > 600
+    cases = build(tokenizer, qa_data, tasks=tasks, lengths=[520], samples_per_task=1, prefix_in="assistant")
     sequences = [(c.prompt.input_ids, c.answer_ids) for c in cases]
-    assert len(nd.pack_rows([len(p) + len(a) - 1 for p, a in sequences], 2000)) == 4  # 10 prompts in 4 rows
+    assert len(nd.pack_rows([len(p) + len(a) - 1 for p, a in sequences], 2000)) == 3  # 9 prompts in 3 rows
     assert_packed_scoring_is_exact(sequences, pack_tokens=2000)
+
+
+def test_a_131072_position_model_takes_the_128k_column_with_room_to_answer(tmp_path, monkeypatch):
+    """RULER's length is the prompt and its generation budget: 128k fits a 131,072-position model exactly."""
+    from longalign.eval.models import LocalGenerator
+
+    model = save_tiny_model(tmp_path / "model", max_position_embeddings=131072)
+    asked = []
+
+    def generate(self, prompts, *, progress=None):  # the 128k forward is not this test's business
+        asked.extend((len(p.input_ids), self.max_new_tokens) for p in prompts)
+        return [Reply("no idea") for _ in prompts]
+
+    monkeypatch.setattr(LocalGenerator, "generate", generate)
+    out = tmp_path / "o"
+    assert main(["eval", "ruler", "--model", str(model), "--lengths", "128k", "--tasks", "niah_single_1,vt",
+                 "--samples-per-task", "1", "--output", str(out)]) == 0  # fmt: skip
+    assert sorted(asked) == [(131072 - 128, 128), (131072 - 30, 30)]
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["prompt_tokens"] + r["new_tokens"] for r in rows] == [131072, 131072]
+    with pytest.raises(
+        ConfigError, match=r"a prompt of 131043 tokens \+ 30 new tokens is over the model's limit"
+    ):
+        check_fits([131072 - 128, 131072 - 29], 131072, new_tokens=[128, 30])
 
 
 @pytest.fixture(scope="module")
@@ -535,14 +761,15 @@ def saved_model(tmp_path_factory):
 
 def test_logprob_scores_from_the_command_line_equal_scoring_the_instances(saved_model, tokenizer, tmp_path):
     out = tmp_path / "lp"
-    args = ["eval", "ruler", "--model", str(saved_model), "--score", "logprob", "--lengths", "450,520",
-            "--samples-per-task", "1", "--attn-backend", "sdpa_segments", "--pack-tokens", "1500", "--output", str(out)]  # fmt: skip
+    tasks = ["niah_single_1", "niah_multikey_3", "vt", "fwe"]
+    args = ["eval", "ruler", "--model", str(saved_model), "--score", "logprob", "--lengths", "700,760", "--tasks",
+            ",".join(tasks), "--samples-per-task", "1", "--attn-backend", "sdpa_segments", "--pack-tokens", "1500",
+            "--output", str(out)]  # fmt: skip
     assert main(args) == 0
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    tasks = ruler.select_tasks(None, logprob=True)
     assert [r["task"] for r in rows][::2] == tasks and len(rows) == 2 * len(tasks)
-    cases = ruler.build_instances(tokenizer, tasks=tasks, lengths=[450, 520], samples_per_task=1, seed=0,
-                                  with_answer_prefix=True)  # fmt: skip
+    cases = ruler.build_instances(tokenizer, tasks=tasks, lengths=[700, 760], samples_per_task=1, seed=0,
+                                  prefix_in="assistant")  # fmt: skip
     from longalign.eval.models import load_model
 
     model = load_model(str(saved_model), packed=True, attn_backend="sdpa_segments")
@@ -557,11 +784,14 @@ def test_logprob_scores_from_the_command_line_equal_scoring_the_instances(saved_
 
 def test_local_generation_ends_each_prompt_with_the_answer_prefix(saved_model, tmp_path):
     out = tmp_path / "gen"
-    args = ["eval", "ruler", "--model", str(saved_model), "--lengths", "500", "--samples-per-task", "1",
+    args = ["eval", "ruler", "--model", str(saved_model), "--lengths", "700", "--samples-per-task", "1",
             "--tasks", "niah_single_1,vt", "--max-new-tokens", "3", "--output", str(out)]  # fmt: skip
     assert main(args) == 0
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert [(r["task"], r["prompt_tokens"]) for r in rows] == [("niah_single_1", 500), ("vt", 500)]
+    assert [(r["task"], r["prompt_tokens"]) for r in rows] == [("niah_single_1", 697), ("vt", 697)]
     assert all(r["output"] and r["score"] in (0.0, 100.0) for r in rows)
     record = json.loads((out / "run_config.json").read_text())
-    assert record["answer_prefix"] is True and record["new_tokens"] == {"niah_single_1": 3, "vt": 3}
+    assert record["answer_prefix_in"] == "assistant turn" and record["new_tokens"] == {
+        "niah_single_1": 3,
+        "vt": 3,
+    }

@@ -20,7 +20,7 @@ from typing import Any
 
 from longalign.errors import InputError, PathError
 from longalign.eval.judge import Example, Rating
-from longalign.eval.models import Prompt, Reply, chat_prompt, template_frame
+from longalign.eval.models import ChatFrame, Prompt, Reply, chat_frame
 
 
 @dataclass(frozen=True)
@@ -112,18 +112,29 @@ def middle_cut(ids: list[int], keep: int) -> list[int]:
     return ids[:head] + ids[len(ids) - (keep - head) :]
 
 
-def middle_cut_prompt(tokenizer, text: str, *, max_length: int | None, frame=None) -> Prompt:
-    """The chat prompt of ``text``, whose middle is cut in token space so that the prompt is at most ``max_length``."""
-    frame = frame or template_frame(tokenizer)
+def middle_cut_prompt(
+    tokenizer, text: str, *, max_length: int | None, frame: ChatFrame | None = None
+) -> Prompt:
+    """The chat prompt of ``text``, whose middle is cut in token space so that the prompt is at most ``max_length``.
+
+    The cut text is decoded and the chat encoded once; where its edges merge into more tokens than counted,
+    the cut takes a few more.
+    """
+    frame = frame or chat_frame(tokenizer)
+    prompt = frame.prompt(text)
+    if max_length is None or len(prompt.input_ids) <= max_length:
+        return prompt
     ids = tokenizer(text, add_special_tokens=False).input_ids
-    if max_length is not None:
-        room = max_length - len(frame[0]) - len(frame[1])
+    room = len(ids) - (len(prompt.input_ids) - max_length)
+    while True:
         if room < 2:
             raise InputError(
-                f"--max-length {max_length}: the chat template alone takes {max_length - room} tokens"
+                f"--max-length {max_length}: the chat template alone takes {len(frame.prompt('').input_ids)} tokens"
             )
-        ids = middle_cut(ids, room)
-    return chat_prompt(tokenizer, ids, frame=frame)
+        prompt = frame.prompt(tokenizer.decode(middle_cut(ids, room), clean_up_tokenization_spaces=False))
+        if len(prompt.input_ids) <= max_length:
+            return prompt
+        room -= len(prompt.input_ids) - max_length
 
 
 def chat_row(case: ChatCase, prompt: Prompt, reply: Reply, rating: Rating | None) -> dict[str, Any]:

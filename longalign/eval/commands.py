@@ -169,7 +169,8 @@ def _ruler_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--lengths",
         default=",".join(f"{n // 1024}k" for n in RULER_LENGTHS),
-        help="prompt lengths in tokens, chat template (and answer prefix) included (4k = 4096)",
+        help="lengths in tokens as RULER counts them: the prompt (chat template and answer prefix included) "
+        "and the task's generation budget (4k = 4096)",
     )
     parser.add_argument(
         "--tasks",
@@ -182,7 +183,8 @@ def _ruler_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--haystack",
         type=Path,
-        help="essay text: a .txt file or a directory of them (default: generated filler sentences)",
+        help="essay text: RULER's PaulGrahamEssays.json (its download's {\"text\": ...}; needed for a run "
+        "comparable with RULER's table), a .txt file or a directory of them (default: generated filler sentences)",
     )
     parser.add_argument("--squad", type=Path, help="qa_squad: SQuAD's JSON (e.g. dev-v2.0.json)")
     parser.add_argument(
@@ -284,8 +286,9 @@ class Session:
         self._calls[role] = StoredCalls(self._store, ChatClient(settings), self.answers)
         return self._calls[role]
 
-    def generator(self, lengths: Sequence[int]) -> Generator:
-        """The local or served generator, after checking that the prompts fit the local model."""
+    def generator(self, lengths: Sequence[int], new_tokens: Sequence[int] | None = None) -> Generator:
+        """The local or served generator, after checking that the prompts fit the local model with the tokens
+        each may generate (``new_tokens``, one per prompt; else ``--max-new-tokens``)."""
         from longalign.eval.models import LocalGenerator, ServedGenerator, check_fits, context_limit
 
         if self.settings is not None:
@@ -296,7 +299,11 @@ class Session:
                 seed=self.args.seed,
             )
         model = self.load_model()
-        check_fits(lengths, context_limit(model), new_tokens=self.max_new_tokens)
+        check_fits(
+            lengths,
+            context_limit(model),
+            new_tokens=self.max_new_tokens if new_tokens is None else new_tokens,
+        )
         return LocalGenerator(
             model,
             self.tokenizer,
@@ -319,11 +326,11 @@ class Session:
     def prompts(self, texts: Sequence[str], *, max_length: int | None = None) -> list[Prompt]:
         """One-turn chats of ``texts``: in token ids (middle cut to ``max_length``) with a tokenizer, else text."""
         from longalign.eval.chat import middle_cut_prompt
-        from longalign.eval.models import template_frame, text_prompt
+        from longalign.eval.models import chat_frame, text_prompt
 
         if self.tokenizer is None:
             return [text_prompt(text) for text in texts]
-        frame = template_frame(self.tokenizer)
+        frame = chat_frame(self.tokenizer)
         return [middle_cut_prompt(self.tokenizer, t, max_length=max_length, frame=frame) for t in texts]
 
     def record(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -549,14 +556,15 @@ def _run_ruler(args: argparse.Namespace) -> int:
         haystack=args.haystack,
         squad=squad,
         hotpot=hotpot,
-        # a chat server cannot be handed the start of its answer: served prompts end at the generation prompt
-        with_answer_prefix=args.backend == "transformers",
+        new_tokens=new_tokens,
+        # a chat server writes the generation prompt itself: RULER ends the user's message with the prefix
+        prefix_in="assistant" if args.backend == "transformers" else "user",
     )
     started = time.perf_counter()
     if logprob:
         rows = _teacher_forced(session, cases, row=ruler.logprob_row, progress="ruler (rows)")
     else:
-        generator = session.generator([len(c.prompt.input_ids) for c in cases])
+        generator = session.generator([len(c.prompt.input_ids) for c in cases], [c.new_tokens for c in cases])
 
         def work(mine):
             replies = [None] * len(mine)
@@ -576,14 +584,19 @@ def _run_ruler(args: argparse.Namespace) -> int:
     if rows is None:
         return 0
     seconds = time.perf_counter() - started
-    summary = {**ruler.summary(rows, threshold=threshold), "score": args.score, "seconds": round(seconds, 3)}
+    essays = ruler.is_essays_file(args.haystack)
+    summary = {
+        **ruler.summary(rows, threshold=threshold, essays=essays),
+        "score": args.score,
+        "seconds": round(seconds, 3),
+    }
     extra = {
         "wonderwords": importlib.metadata.version("wonderwords"),  # its word lists make the prompts
         "lengths": lengths,
         "tasks": tasks,
         "threshold": threshold,
         "new_tokens": new_tokens,
-        "answer_prefix": args.backend == "transformers",
+        "answer_prefix_in": "assistant turn" if args.backend == "transformers" else "user message",
         "qa_skipped": {name: data.skipped for name, data in (("squad", squad), ("hotpot", hotpot)) if data},
     }
     title = f"{args.model or args.served_model} ({args.score})"
@@ -595,12 +608,15 @@ def _run_ruler(args: argparse.Namespace) -> int:
         plot=lambda d: ruler.plot_heatmap(summary, d / "ruler.png", title=title),
         extra_files={"summary.csv": ruler.summary_csv(summary)},
     )
-    averages = ", ".join(
-        f"{length} {'n/a' if value is None else f'{value:.1f}'}"
-        for length, value in summary["average_by_length"].items()
+    label, values = ruler.averages(summary)
+    shown = ", ".join(f"{length} {'n/a' if v is None else f'{v:.1f}'}" for length, v in values.items())
+    if summary["comparable"]:
+        verdict = f"effective length {summary['effective_length'] or 'none'} (threshold {threshold:g})"
+    else:
+        verdict = "not comparable with RULER's table: " + "; ".join(summary["not_comparable_because"])
+    print(
+        f"ruler: {len(rows)} prompts in {seconds:.1f} s; {label} by length: {shown}; {verdict}; wrote {args.output}"
     )
-    print(f"ruler: {len(rows)} prompts in {seconds:.1f} s; average by length: {averages}; effective length "
-          f"{summary['effective_length'] or 'none'} (threshold {threshold:g}); wrote {args.output}")  # fmt: skip
     return 0
 
 

@@ -13,8 +13,9 @@ of ``report_to`` and to ``trainer_state.json``::
     eval_tasks/needle            100 x the share of prompts whose answer greedy decoding reproduces
     eval_tasks/needle/logprob    the answers' mean log-probability
     eval_tasks/needle/4096       the score at each length
-    eval_tasks/ruler             the average over RULER's tasks and lengths (each length counts once)
-    eval_tasks/ruler/4096        the average over the tasks at each length
+    eval_tasks/ruler             the average over the tasks scored and lengths (each length counts once)
+    eval_tasks/ruler/4096        the average over the tasks at each length (not RULER's 13-task average:
+                                 the tasks whose answer has one order, teacher-forced)
     eval_tasks/ruler/vt/4096     each task at each length
     eval_tasks/ruler/logprob, eval_tasks/ruler/effective_length (0: under the threshold at every length)
 
@@ -132,7 +133,6 @@ class RulerTask:
             seed=settings.seed,
             haystack=Path(settings.haystack) if settings.haystack else None,
             hotpot=hotpot,
-            with_answer_prefix=True,
             lengths_setting="eval_tasks.ruler.lengths",
         )
         self.settings = settings
@@ -144,14 +144,17 @@ class RulerTask:
 
     def results(self, scores: Sequence[AnswerScore]) -> TaskResults:
         rows = [ruler.logprob_row(c, s, self.tokenizer) for c, s in zip(self.cases, scores, strict=True)]
-        summary = {**ruler.summary(rows, threshold=self.threshold), "score": "logprob"}
-        averages = [v for v in summary["average_by_length"].values() if v is not None]
+        essays = ruler.is_essays_file(Path(self.settings.haystack) if self.settings.haystack else None)
+        summary = {**ruler.summary(rows, threshold=self.threshold, essays=essays), "score": "logprob"}
+        # the tasks that can be teacher-forced are never RULER's 13: their average, a signal for training
+        _, average = ruler.averages(summary)
+        averages = [v for v in average.values() if v is not None]
+        effective = ruler.effective_length({int(n): v for n, v in average.items()}, self.threshold)
         metrics = {
             f"{PREFIX}/ruler": sum(averages) / len(averages) if averages else None,
             f"{PREFIX}/ruler/logprob": sum(r["logprob"] for r in rows) / len(rows),
-            # 0 when even the shortest length is under the threshold (summary.json says null)
-            f"{PREFIX}/ruler/effective_length": summary["effective_length"] or 0,
-            **{f"{PREFIX}/ruler/{length}": value for length, value in summary["average_by_length"].items()},
+            f"{PREFIX}/ruler/effective_length": effective or 0,  # 0: under the threshold at every length
+            **{f"{PREFIX}/ruler/{length}": value for length, value in average.items()},
             **{
                 f"{PREFIX}/ruler/{task}/{length}": value
                 for task, by_length in summary["by_task_length"].items()

@@ -1,7 +1,7 @@
 """Model access for every eval task: a prompt in token ids, a local transformers model or a served one, replies.
 
     tokenizer = eval_tokenizer("out/run")                     # the run's own tokenizer, chat template required
-    prompt = chat_prompt(tokenizer, tokenizer("Hi", add_special_tokens=False).input_ids)
+    prompt = chat_frame(tokenizer).prompt("Hi")
         -> Prompt(input_ids=[bos, <header> user ..., 'Hi', <eot>, <header> assistant ...], messages=[...])
     model = load_model("out/run")                             # run dir, checkpoint, or a [lora] adapter dir
     LocalGenerator(model, tokenizer, max_new_tokens=32).generate([prompt])  -> [Reply(text='Hello', error=None)]
@@ -16,10 +16,10 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 from tqdm import tqdm
@@ -32,6 +32,7 @@ from longalign.errors import ConfigError, LongAlignError, ModelError, PathError
 from longalign.serving import CallFailure, ChatClient
 
 _SLOT = "\u2063LONGALIGN-EVAL-CONTENT\u2063"  # stands for the user's text while the template is rendered
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -68,29 +69,88 @@ def eval_tokenizer(name: str, *, chat_template: Path | None = None, trust_remote
     return tokenizer
 
 
-def template_frame(tokenizer) -> tuple[list[int], list[int]]:
-    """The token ids the chat template puts before and after a user message's text (generation prompt included).
+@dataclass(frozen=True)
+class ChatFrame:
+    """The chat template's text around one user message, and the tokenizer that encodes the whole chat.
 
-    For a Llama-3 template: ``([<|begin_of_text|>, <|start_header_id|>, 'user', ..., '\\n\\n'],
-    [<|eot_id|>, <|start_header_id|>, 'assistant', <|end_header_id|>, '\\n\\n'])``.
+    A prompt is the rendered chat encoded in one pass, as pre-tokenize encodes a training chat
+    (``longalign.labels.encode_text``), never pieces encoded apart and joined::
+
+        frame = chat_frame(tokenizer)              # Llama 3: before '<|begin_of_text|>...user<|end_header_id|>\\n\\n'
+        frame.prompt("Hi")                         # after '<|eot_id|><|start_header_id|>assistant<|end_header_id|>\\n\\n'
+        -> Prompt(input_ids=[<|begin_of_text|>, ..., 'Hi', <|eot_id|>, ..., '\\n\\n'], messages=[user: 'Hi'])
+        frame.prompt("Hi", answer_prefix=" Answer:")   # the assistant's turn begins with ' Answer:'
     """
+
+    tokenizer: Any
+    before: str  # the template's text before the user's text (earlier turns included)
+    after: str  # after it, the generation prompt included
+    control: frozenset[int]  # the special tokens (message text that spells one is read as text)
+    history: tuple[dict[str, str], ...] = ()  # the turns before the user's message
+
+    def encode(self, content: str, *, answer_prefix: str = "") -> tuple[list[int], list[tuple[int, int]]]:
+        """The token ids of the chat and each token's character span in ``before + content + after + prefix``."""
+        from longalign.labels import encode_text
+
+        text = self.before + content + self.after + answer_prefix
+        start = len(self.before)
+        return encode_text(self.tokenizer, text, [(start, start + len(content))], self.control)
+
+    def prompt(self, content: str, *, answer_prefix: str = "") -> Prompt:
+        """The one-turn chat of ``content``; ``answer_prefix`` follows the generation prompt (local models)."""
+        ids, _ = self.encode(content, answer_prefix=answer_prefix)
+        return Prompt(input_ids=ids, messages=[*self.history, {"role": "user", "content": content}])
+
+
+def chat_frame(tokenizer, history: Sequence[dict[str, str]] = ()) -> ChatFrame:
+    """The ``ChatFrame`` of the tokenizer's chat template, after the turns of ``history`` (a worked example);
+    one line when the template rewrites the user's text."""
+    from longalign.chat_template import control_ids
+
     text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": _SLOT}], tokenize=False, add_generation_prompt=True
+        [*history, {"role": "user", "content": _SLOT}], tokenize=False, add_generation_prompt=True
     )
     if text.count(_SLOT) != 1:
         raise ModelError("the chat template does not write the user's message once, as given")
     before, after = text.split(_SLOT)
-    encode = lambda part: tokenizer(part, add_special_tokens=False).input_ids  # noqa: E731
-    return encode(before), encode(after)
+    return ChatFrame(tokenizer, before, after, control_ids(tokenizer), tuple(history))
 
 
-def chat_prompt(
-    tokenizer, content_ids: Sequence[int], *, frame: tuple[list[int], list[int]] | None = None
-) -> Prompt:
-    """A one-turn chat whose user message is ``content_ids``, built in token ids (the text is never re-encoded)."""
-    before, after = frame or template_frame(tokenizer)
-    content = tokenizer.decode(list(content_ids))
-    return Prompt(input_ids=[*before, *content_ids, *after], messages=[{"role": "user", "content": content}])
+def fit_length(make: Callable[[int], T], tokens: Callable[[T], int], target: int, guess: int) -> T | None:
+    """``make(n)`` for the ``n`` whose result is ``target`` tokens long, from ``guess`` on; else the longest
+    one under ``target`` that was tried, or None.
+
+    ``n`` counts the tokens of the part that grows (a haystack); encoding the whole text merges a few tokens
+    at its edges, so the count is off by a little and each try steps by what is missing::
+
+        fit_length(lambda n: "x" * n, len, 10, 7)  -> 'xxxxxxxxxx'   (tries 7, then 10)
+    """
+    best, best_tokens = None, -1
+    under, over = 0, None  # the largest n found short of target, the smallest found past it
+    n, last, scale = guess, None, 1
+    for _ in range(_FIT_TRIES):
+        n = max(n, 1)
+        result = make(n)
+        count = tokens(result)
+        if count == target:
+            return result
+        if count < target:
+            under = max(under, n)
+            if count > best_tokens:
+                best, best_tokens = result, count
+        else:
+            over = n if over is None else min(over, n)
+        if over is not None and over - under <= 1:
+            break
+        scale = 2 * scale if count == last else 1  # whole units (documents) move only after a larger step
+        last = count
+        n += (target - count) * scale
+        if over is not None and not under < n < over:
+            n = (under + over) // 2
+    return best
+
+
+_FIT_TRIES = 12  # two tries are the rule; the rest step past a merge that skips the exact count
 
 
 def text_prompt(text: str) -> Prompt:
@@ -192,14 +252,16 @@ def context_limit(model: torch.nn.Module) -> int | None:
     return getattr(model.config, "max_position_embeddings", None)
 
 
-def check_fits(lengths: Sequence[int], limit: int | None, *, new_tokens: int = 0) -> None:
-    """Refuse prompts that, with ``new_tokens`` to generate, run past the model's ``limit``; one line."""
+def check_fits(lengths: Sequence[int], limit: int | None, *, new_tokens: int | Sequence[int] = 0) -> None:
+    """Refuse prompts that, with ``new_tokens`` to generate (one number, or one per prompt), run past the
+    model's ``limit``; one line."""
     if limit is None or not lengths:
         return
-    longest = max(lengths)
-    if longest + new_tokens > limit:
+    budgets = [new_tokens] * len(lengths) if isinstance(new_tokens, int) else list(new_tokens)
+    length, budget = max(zip(lengths, budgets, strict=True), key=lambda pair: pair[0] + pair[1])
+    if length + budget > limit:
         raise ConfigError(
-            f"a prompt of {longest} tokens + {new_tokens} new tokens is over the model's limit of {limit} "
+            f"a prompt of {length} tokens + {budget} new tokens is over the model's limit of {limit} "
             "(max_position_embeddings); use shorter lengths or --max-length"
         )
 

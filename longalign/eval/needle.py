@@ -1,12 +1,13 @@
 """Needle in a haystack: a fact hidden at a chosen depth of a long text, asked about at the end.
 
-A prompt is built in token ids and is exactly ``length`` tokens, chat template included::
+A prompt is the chat template rendered around the text and encoded once (as pre-tokenize encodes a training
+chat), and is exactly ``length`` tokens, chat template included::
 
     [template before the user text][intro][haystack ... | needle | ... haystack][question][template after]
                                           ^ needle_start: the sentence boundary nearest depth% of the haystack
 
-The haystack is whole sentences, each encoded once, cut to the exact count that makes up ``length``
-(never decoded and re-encoded). By default each prompt hides its own random key and 7-digit value
+The haystack is sentences, each encoded once to count them, cut to the count that makes up ``length``;
+the whole chat is then encoded in one pass, and the cut moves by the few tokens that merge at its edges. By default each prompt hides its own random key and 7-digit value
 ("The special magic number for amber-otter is 4812397."), so no answer can be learned by heart.
 
     cases = build_cases(tokenizer, haystack_pool(tokenizer, None, seed=0),
@@ -23,6 +24,8 @@ training run, ``longalign.eval.in_training``).
 
 from __future__ import annotations
 
+import functools
+import json
 import random
 import re
 from collections.abc import Sequence
@@ -33,7 +36,7 @@ import torch
 from tqdm import tqdm
 
 from longalign.errors import ConfigError, InputError, PathError
-from longalign.eval.models import Prompt, Reply, template_frame
+from longalign.eval.models import ChatFrame, Prompt, Reply, chat_frame, fit_length
 from longalign.eval.ranks import across_ranks
 
 INTRO = "Read the text below. A question about it follows at the end.\n\n"
@@ -101,7 +104,22 @@ def split_sentences(text: str) -> list[str]:
 
 
 def read_haystack(source: Path) -> list[str]:
-    """The sentences of a ``.txt`` file, or of every ``.txt`` file in a directory (sorted by name)."""
+    """The sentences of a ``.txt`` file, of every ``.txt`` file in a directory (sorted by name), or of the
+    ``text`` of a ``.json`` file (``{"text": "..."}``, as RULER's essay download writes
+    ``PaulGrahamEssays.json``)."""
+    if source.suffix == ".json" and source.is_file():
+        try:
+            data = json.loads(source.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise InputError(f"{source}: not a JSON file ({err})") from None
+        if not isinstance(data, dict) or not isinstance(data.get("text"), str):
+            raise InputError(
+                f'{source}: expected {{"text": "..."}} (RULER\'s PaulGrahamEssays.json), no "text" string'
+            )
+        sentences = split_sentences(data["text"])
+        if not sentences:
+            raise InputError(f"{source}: the haystack text is empty")
+        return sentences
     if source.is_dir():
         files = sorted(source.glob("*.txt"))
         if not files:
@@ -134,7 +152,7 @@ def haystack_pool(tokenizer, source: Path | None, *, seed: int) -> list[list[int
     return tokenizer([" " + s for s in sentences], add_special_tokens=False).input_ids
 
 
-def nearest_boundary(sentence_lens: Sequence[int], haystack_len: int, depth: int) -> int:
+def nearest_boundary(sentence_lens: Sequence[int], haystack_len: int, depth: float) -> int:
     """The sentence start (or the end) within the first ``haystack_len`` tokens nearest ``depth``% of them.
 
     >>> nearest_boundary([4, 4, 4], 12, 50)    # starts 0, 4, 8 and the end 12; 50% is token 6
@@ -169,45 +187,65 @@ def build_cases(
     The same arguments give the same prompts. Each prompt's haystack starts at its own sentence of the
     pool; with ``needle`` None each gets a random needle.
     """
-    before, after = template_frame(tokenizer)
+    frame = chat_frame(tokenizer)
     encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
-    intro = encode(INTRO)
     cases = []
     for length in lengths:
         for depth in depths:
             for sample in range(samples):
                 rng = random.Random(f"needle:{seed}:{length}:{depth}:{sample}")
                 fact = needle or random_needle(rng)
-                needle_ids = encode(" " + fact.text)
-                question = encode(QUESTION_FORM.format(question=fact.question))
-                prefix = encode(fact.answer_prefix) if with_answer_prefix and fact.answer_prefix else []
+                question = QUESTION_FORM.format(question=fact.question)
+                prefix = fact.answer_prefix if with_answer_prefix and fact.answer_prefix else ""
                 answer_ids = encode((" " if prefix else "") + fact.answer)
-                fixed = len(before) + len(intro) + len(needle_ids) + len(question) + len(after) + len(prefix)
-                haystack_len = length - fixed
-                if haystack_len < 1:
+                fixed = len(frame.encode(f"{INTRO} {fact.text}{question}", answer_prefix=prefix)[0])
+                if length - fixed < 1:
                     raise ConfigError(
                         f"{lengths_setting} {length}: too short for the needle, question and chat template "
                         f"({fixed} tokens without any haystack)"
                     )
-                sentences = sentences_from(pool, rng.randrange(len(pool)), haystack_len)
-                haystack = [t for s in sentences for t in s][:haystack_len]
-                cut = nearest_boundary([len(s) for s in sentences], haystack_len, depth)
-                content = [*intro, *haystack[:cut], *needle_ids, *haystack[cut:], *question]
+                make = functools.partial(_needle_prompt, frame, pool, rng.randrange(len(pool)), depth,
+                                         f" {fact.text}", question, prefix)  # fmt: skip
+                made = fit_length(make, lambda made: len(made[0]), length, length - fixed)
+                if made is None:
+                    raise ConfigError(
+                        f"{lengths_setting} {length}: too short for the needle, question and chat template"
+                    )
+                ids, content, needle_start = made
                 cases.append(
                     NeedleCase(
                         length=length,
                         depth=depth,
                         sample=sample,
-                        prompt=Prompt(
-                            input_ids=[*before, *content, *after, *prefix],
-                            messages=[{"role": "user", "content": tokenizer.decode(content)}],
-                        ),
-                        needle_start=len(before) + len(intro) + cut,
+                        prompt=Prompt(input_ids=ids, messages=[{"role": "user", "content": content}]),
+                        needle_start=needle_start,
                         answer=fact.answer,
                         answer_ids=answer_ids,
                     )
                 )
     return cases
+
+
+def _needle_prompt(
+    frame: ChatFrame, pool: list[list[int]], start: int, depth: int, needle: str, question: str, prefix: str,
+    haystack_len: int,
+) -> tuple[list[int], str, int]:  # fmt: skip
+    """The prompt with ``haystack_len`` haystack tokens from sentence ``start`` on: its ids, its user text,
+    where the needle starts."""
+    sentences = sentences_from(pool, start, haystack_len)
+    haystack = [t for s in sentences for t in s][:haystack_len]
+    cut = nearest_boundary([len(s) for s in sentences], haystack_len, depth)
+    text = decode_text(frame.tokenizer, haystack)
+    head = decode_text(frame.tokenizer, haystack[:cut])
+    content = f"{INTRO}{head}{needle}{text[len(head) :]}{question}"
+    ids, offsets = frame.encode(content, answer_prefix=prefix)
+    at = len(frame.before) + len(INTRO) + len(head)
+    return ids, content, next(i for i, (_, end) in enumerate(offsets) if end > at)
+
+
+def decode_text(tokenizer, ids: list[int]) -> str:
+    """The text of ``ids`` as the tokenizer wrote it (no clean-up of spaces before punctuation)."""
+    return tokenizer.decode(ids, clean_up_tokenization_spaces=False)
 
 
 def sentences_from(pool: list[list[int]], start: int, tokens: int) -> list[list[int]]:

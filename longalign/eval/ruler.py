@@ -1,46 +1,60 @@
-"""RULER's synthetic long-context tasks (NVIDIA/RULER), built in token ids at exact lengths, and their scores.
+"""RULER's long-context tasks (NVIDIA/RULER), built as RULER builds them at its lengths, and their scores.
 
-Every instance is one user turn of exactly ``length`` tokens, chat template included (and the task's answer
-prefix after it, when asked for)::
+An instance is RULER's text: the task's template (its instructions, the haystack with its needles, the
+question) as the user's message, the chat template around it, and the task's answer prefix after the
+generation prompt (local models) or at the end of the user's message (served models, as RULER sends API
+models). cwe's worked example is a turn of its own before it, vt's opens the user's message. A length is
+RULER's: the prompt and the task's generation budget, so the 128k column runs on a 131,072-position model::
 
-    [template before][head: instructions, a worked example][body: haystack with needles][question][after][prefix]
-                                                                  ^ needle_offsets
+    [chat template, (cwe: example turn)][template head][haystack with needles][question][generation prompt][prefix]
+                                                              ^ needle_offsets
+    len(prompt) + new_tokens == length   (QA keeps whole documents, as RULER: it may fall short, never over)
 
-The body is cut to the exact count that makes up ``length``; the needles go between its units (sentences,
-lines, list items, documents), never into one. Each instance draws its randomness from
-``(seed, task, length, sample)``, so the same seed gives the same prompts whatever else is asked.
+The prompt is the rendered chat encoded once (``longalign.eval.models.ChatFrame``), as pre-tokenize
+encodes a training chat; the haystack is counted in tokens and cut to the count that makes up the length,
+then moved by the few tokens that merge at its edges. The needles go between its units (sentences, lines,
+list items, documents), never into one. Each instance draws its randomness from ``(seed, task, length,
+sample)``, so the same seed gives the same prompts whatever else is asked.
 
     cases = build_instances(tokenizer, tasks=["niah_single_1", "vt"], lengths=[4096, 8192],
                             samples_per_task=20, seed=0)
     replies = generator.generate([case.prompt for case in cases])
     rows = [generation_row(case, reply) for case, reply in zip(cases, replies)]
-    summary(rows)  -> {'by_task_length': {'niah_single_1': {'4096': 100.0, ...}, ...},
-                       'average_by_length': {'4096': 97.5, '8192': 90.0}, 'effective_length': 8192, 'n': 80, ...}
+    summary(rows)  -> {'by_task_length': {'niah_single_1': {'4096': 100.0, ...}, ...}, 'comparable': False,
+                       'not_comparable_because': ['tasks not run: niah_single_2, ...'],
+                       'partial_average_by_length': {'4096': 97.5, '8192': 90.0}, ...}
 
-Scores are RULER's: the share of the references found in the output (case-insensitive) x 100, or for the
-QA tasks 100 when any reference is found. The teacher-forced alternative (``--score logprob``) reads
-``answer_ids`` after the prompt with ``longalign.eval.needle.score_answers``; ``logprob_row`` scores it.
+Scores are RULER's: the share of the references found in the output (``str.lower`` on both) x 100, or for
+the QA tasks 100 when any reference is found; a failed request scores 0. The average over RULER's 13 tasks
+and the effective length are given only when all 13 ran on the reference inputs (``missing_for_comparison``).
+The teacher-forced alternative (``--score logprob``) reads ``answer_ids`` after the prompt with
+``longalign.eval.needle.score_answers``; ``logprob_row`` scores it.
+
+Where this differs from RULER's generators: the haystack may end inside a sentence or line (the exact
+length), sentences are split by ``longalign.eval.needle.split_sentences`` (RULER uses NLTK's punkt), and
+keys and cwe's words come from wonderwords' lists with its profanity list left out (RULER's extra English
+word list, used past wonderwords' size, is replaced by adjective-noun pairs).
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 import random
 import string
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from longalign.errors import ConfigError, InputError, PathError
 from longalign.eval import needle as nd
-from longalign.eval.models import Prompt, Reply, chat_prompt, template_frame
+from longalign.eval.models import Prompt, Reply, chat_frame, fit_length
 
 THRESHOLD = 85.6  # RULER's: Llama-2-7B's average at 4k, the bar for the effective length
 DEPTHS = [round(100 * i / 39) for i in range(40)]  # RULER's needle depths: 40 from 0% to 100%
-NOISE = "The day is long. The road is quiet. The water is calm. Here we are again. On and on it goes."
 
 
 @dataclass(frozen=True)
@@ -81,12 +95,13 @@ class RulerCase:
     """One instance: the prompt, where its needles went, the references that score, the teacher-forced answer."""
 
     task: str
-    length: int  # tokens of the whole prompt (answer prefix included when asked for)
+    length: int  # RULER's length: the prompt's tokens and new_tokens
     sample: int
+    new_tokens: int  # the tokens a reply may have (RULER's budget of the task, unless set)
     prompt: Prompt
     needle_offsets: list[int]  # where each needle, chain assignment or gold document starts; [] for cwe/fwe
     references: list[str]  # the strings a reply is scored on
-    answer_prefix: str  # how the answer begins (the prompt ends with it when asked for)
+    answer_prefix: str  # how the answer begins (the prompt ends with it)
     answer_ids: list[int] | None  # the answer's tokens after the prompt (tasks whose answer has one order)
     reference_spans: list[tuple[int, int]] | None  # where each reference's tokens are in answer_ids
 
@@ -138,15 +153,20 @@ def build_instances(
     haystack: Path | None = None,
     squad: QAData | None = None,
     hotpot: QAData | None = None,
-    with_answer_prefix: bool = False,
+    new_tokens: Mapping[str, int] | None = None,
+    prefix_in: str = "assistant",
     lengths_setting: str = "--lengths",
 ) -> list[RulerCase]:
     """``samples_per_task`` instances of each task at each length, in that order; no model needed.
 
+    A length is RULER's: the prompt and the tokens it may generate (``new_tokens``, by task; RULER's
+    budgets when None), so a 131,072-position model takes the 128k column.
     ``haystack``: the essay text (``.txt`` file or directory; generated filler sentences when None).
     ``squad`` / ``hotpot``: ``read_squad`` / ``read_hotpot`` of the datasets' files, for ``qa_squad`` /
     ``qa_hotpot``.
-    ``with_answer_prefix``: end each prompt with the task's answer prefix (counted in ``length``).
+    ``prefix_in``: where the task's answer prefix goes, as RULER puts it: ``"assistant"`` after the
+    generation prompt (a local model's reply continues it), ``"user"`` at the end of the user's message
+    (a served model, whose server writes the generation prompt).
     Raises ``ConfigError`` naming ``lengths_setting`` when a length cannot hold a task's fixed text.
     """
     unknown = [t for t in tasks if t not in TASKS]
@@ -155,14 +175,23 @@ def build_instances(
     missing = [t for t in tasks if TASKS[t].family == "qa" and {"squad": squad, "hotpot": hotpot}[TASKS[t].source] is None]  # fmt: skip
     if missing:
         raise ConfigError(f"{', '.join(missing)}: needs the dataset (--{TASKS[missing[0]].source} FILE)")
-    builder = _Builder(tokenizer, haystack=haystack, squad=squad, hotpot=hotpot,
-                       seed=seed, with_answer_prefix=with_answer_prefix, lengths_setting=lengths_setting)  # fmt: skip
+    if prefix_in not in ("assistant", "user"):
+        raise ValueError(f"prefix_in: expected 'assistant' or 'user', got {prefix_in!r}")
+    budgets = {t: (new_tokens or {}).get(t, TASKS[t].new_tokens) for t in tasks}
+    builder = _Builder(tokenizer, haystack=haystack, squad=squad, hotpot=hotpot, seed=seed, new_tokens=budgets,
+                       prefix_in=prefix_in, lengths_setting=lengths_setting)  # fmt: skip
     return [
         builder.build(task, length, sample)
         for task in tasks
         for length in lengths
         for sample in range(samples_per_task)
     ]
+
+
+def is_essays_file(haystack: Path | None) -> bool:
+    """Whether ``--haystack`` is an essays file in the format of RULER's download (``PaulGrahamEssays.json``,
+    ``{"text": ...}``): the reference's essay haystack, as far as a file can say."""
+    return haystack is not None and haystack.suffix == ".json"
 
 
 # --- words, values, documents ------------------------------------------------------------------------------
@@ -303,23 +332,41 @@ def _checked(path: Path, data: QAData) -> QAData:
 
 # --- prompts -----------------------------------------------------------------------------------------------
 
+# The benchmark's text: NVIDIA/RULER (Apache License 2.0), scripts/data/synthetic/constants.py (each task's
+# template and answer prefix) and niah.py / variable_tracking.py / qa.py (needle sentence, noise sentence,
+# document header), matched character for character: these strings are the benchmark's definition.
 VT_HOPS = 4  # RULER's chain: one chain of 4 hops, 5 variables
-VT_EXAMPLE_NOISE = 4  # noise lines of the worked example before the task
+VT_EXAMPLE_TOKENS = 500  # RULER's worked example: an instance of at most 500 tokens, its answer after it
 CWE_COMMON = 10  # the words asked for
-_KINDS = {"numbers": ("number", "numbers"), "uuids": ("UUID", "UUIDs")}
-
-_VT_INTRO = "Keep track of the chain of variable assignments hidden in the text below.\n\n"
-_VT_QUESTION = "\nQuestion: which variables are assigned the value {value} in the text above?"
-_VT_PREFIX = (
-    "Answer: following the assignments in the text above, {count} variables are assigned the value {value}:"
+NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+NEEDLE = "One of the special magic {kind} for {key} is: {value}."  # kind: numbers | uuids, as in RULER
+_NIAH = (
+    "Some special magic {kind} are hidden within the following text. Make sure to memorize it. I will quiz you "
+    "about the {kind} afterwards.\n"
 )
-_CWE_INTRO = "The numbered list below repeats some words more often than the others. Remember which words occur most often.\n"  # fmt: skip
-_CWE_QUESTION = f"\nQuestion: which {CWE_COMMON} words occur most often in the list above?"
-_CWE_PREFIX = f"Answer: the {CWE_COMMON} words that occur most often in the list are:"
-_FWE_INTRO = "Count how often each coded word occurs in the coded text below; you will be asked for the three most frequent ones.\n"  # fmt: skip
-_FWE_QUESTION = "\nQuestion: leaving out the dots '...', which three coded words occur most often in the coded text above? Answer without explanation."  # fmt: skip
-_FWE_PREFIX = "Answer: the three coded words that occur most often in the text above are:"
-_QA_INSTRUCTION = "Answer the question from the documents, with the answer alone and no other words."
+_NIAH_QUESTION = "\nWhat are all the special magic {kind} for {query} mentioned in the provided text?"
+_NIAH_PREFIX = " The special magic {kind} for {query} mentioned in the provided text are"
+_VT_INTRO = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
+_VT_QUESTION = "\nQuestion: Find all variables that are assigned the value {value} in the text above."
+_VT_PREFIX = " Answer: According to the chain(s) of variable assignment in the text above, {count} variables are assigned the value {value}, they are: "  # fmt: skip
+_CWE_INTRO = "Below is a numbered list of words. In these words, some appear more often than others. Memorize the ones that appear most often.\n"  # fmt: skip
+_CWE_QUESTION = f"\nQuestion: What are the {CWE_COMMON} most common words in the above list?"
+_CWE_PREFIX = f" Answer: The top {CWE_COMMON} words that appear most often in the list are:"
+_FWE_INTRO = "Read the following coded text and track the frequency of each coded word. Find the three most frequently appeared coded words. "  # fmt: skip
+_FWE_QUESTION = "\nQuestion: Do not provide any explanation. Please ignore the dots '....'. What are the three most frequently appeared words in the above coded text?"  # fmt: skip
+_FWE_PREFIX = " Answer: According to the coded text above, the three most frequently appeared words are:"
+_QA_INSTRUCTION = "Answer the question based on the given documents. Only give me the answer and do not output any other words."  # fmt: skip
+_QA_PREFIX = " Answer:"
+
+
+def _niah_text(text: str, kind: str, single: bool) -> str:
+    """RULER's wording for one asked value (``single``): its template's words made singular as RULER makes
+    them ("Some" -> "A", "are" -> "is"), ``numbers`` -> ``number``."""
+    if not single:
+        return text.format(kind=kind, query="{query}")
+    text = text.replace("Some", "A").replace("are all", "is").replace("are", "is")
+    return text.format(kind=kind[:-1], query="{query}")
+
 
 _Body = Callable[[int], "tuple[list[int], list[int]] | None"]
 
@@ -332,9 +379,10 @@ class _Draft:
     tail: str  # the question after it
     prefix: str  # how the answer begins
     references: list[str]
-    body: _Body  # budget -> (exactly budget ids, the needles' offsets in them), or None when it cannot fit
+    body: _Body  # budget -> (budget ids (QA: whole documents, up to budget), the needles' offsets), or None
     ordered: bool  # the references in this order are the teacher-forced answer
     separator: str = ","  # between references in that answer (then a space)
+    history: tuple[dict[str, str], ...] = ()  # turns before the task's (cwe: RULER's example, answered)
 
 
 def _join(items: Sequence[str]) -> str:
@@ -349,7 +397,7 @@ def _repeated(unit: list[int], tokens: int) -> list[list[int]]:
     return [unit] * -(-tokens // len(unit))
 
 
-def _insert(units: list[list[int]], tokens: int, pieces: list[list[int]], depths: list[int]):
+def _insert(units: list[list[int]], tokens: int, pieces: list[list[int]], depths: list[float]):
     """Units cut to ``tokens`` with ``pieces`` put at the unit boundaries nearest ``depths`` (sorted, percent).
 
     Returns the ids and each piece's offset in them, in the pieces' order.
@@ -369,17 +417,19 @@ def _insert(units: list[list[int]], tokens: int, pieces: list[list[int]], depths
 class _Builder:
     """What the instances of one ``build_instances`` call share: the tokenizer, its frame, pools, caches."""
 
-    def __init__(self, tokenizer, *, haystack, squad, hotpot, seed, with_answer_prefix, lengths_setting):
+    def __init__(self, tokenizer, *, haystack, squad, hotpot, seed, new_tokens, prefix_in, lengths_setting):
         self.tokenizer = tokenizer
         self.lengths_setting = lengths_setting
-        self.frame = template_frame(tokenizer)
+        self.frame = chat_frame(tokenizer)
+        self.new_tokens = new_tokens
+        self.prefix_in = prefix_in
         self.haystack = haystack
         self.qa_data = {"squad": squad, "hotpot": hotpot}
         self.seed = seed
-        self.with_answer_prefix = with_answer_prefix
         self.families = {"niah": self.niah, "vt": self.vt, "cwe": self.cwe, "fwe": self.fwe, "qa": self.qa}
         self._numbers: list[list[int]] = []  # " 1.", " 2.", ... of the numbered list
-        self._order: dict[str, list[int]] = {}  # each QA task's questions in the order the samples take them
+        self._essay: list[list[int]] = []  # the essays' first sentences, encoded
+        self._essay_tokens = 0
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False).input_ids
@@ -388,8 +438,22 @@ class _Builder:
         return self.tokenizer(texts, add_special_tokens=False).input_ids
 
     @functools.cached_property
-    def essay(self) -> list[list[int]]:
-        return nd.haystack_pool(self.tokenizer, self.haystack, seed=self.seed)
+    def essay_text(self) -> list[str]:
+        """The essays' sentences: ``--haystack``'s, or the needle's generated filler."""
+        if self.haystack is None:
+            return nd.filler_sentences(random.Random(f"haystack:{self.seed}"), nd.FILLER_SENTENCES)
+        return nd.read_haystack(self.haystack)
+
+    def essay(self, tokens: int) -> list[list[int]]:
+        """The essays' first sentences holding ``tokens`` tokens (from the first again when they run out),
+        each encoded with its leading space, as many as needed."""
+        while self._essay_tokens < tokens and len(self._essay) < len(self.essay_text):
+            more = self.encode_many(
+                [" " + t for t in self.essay_text[len(self._essay) : len(self._essay) + 512]]
+            )
+            self._essay += more
+            self._essay_tokens += sum(map(len, more))
+        return nd.sentences_from(self._essay, 0, tokens)
 
     @functools.cached_property
     def noise(self) -> list[int]:
@@ -404,32 +468,59 @@ class _Builder:
 
     def build(self, name: str, length: int, sample: int) -> RulerCase:
         task = TASKS[name]
+        new_tokens = self.new_tokens[name]
+        target = length - new_tokens  # RULER's length: the prompt and the tokens it may generate
         rng = random.Random(f"ruler:{self.seed}:{name}:{length}:{sample}")
         draft = self.families[task.family](name, task, length, sample, rng)
-        before, after = self.frame
-        head, tail = self.encode(draft.head), self.encode(draft.tail)
-        prefix = self.encode(draft.prefix) if self.with_answer_prefix else []
-        fixed = len(before) + len(head) + len(tail) + len(after) + len(prefix)
-        body = draft.body(length - fixed) if length > fixed else None
-        if body is None:
+        state = rng.getstate()  # every try at a budget draws the same body
+
+        def text(content: str) -> tuple[str, str]:  # the user's text, and what follows the generation prompt
+            return (content + draft.prefix, "") if self.prefix_in == "user" else (content, draft.prefix)
+
+        frame = chat_frame(self.tokenizer, draft.history) if draft.history else self.frame
+
+        def make(budget: int):
+            rng.setstate(state)
+            body = draft.body(budget)
+            if body is None:
+                return None
+            ids, offsets = body
+            shown = nd.decode_text(self.tokenizer, ids)
+            # RULER's context begins its line: no space or newline of the first unit after a line break
+            strip = 1 if draft.head[-1:] in (" ", "\n") and shown[:1] in (" ", "\n") else 0
+            user, after = text(draft.head + shown[strip:] + draft.tail)
+            prompt_ids, spans = frame.encode(user, answer_prefix=after)
+            return prompt_ids, spans, ids, offsets, user, strip
+
+        user, after = text(draft.head + draft.tail)
+        fixed = len(frame.encode(user, answer_prefix=after)[0])
+        made = fit_length(make, lambda made: len(made[0]) if made else 0, target, target - fixed)
+        if made is None:
             raise ConfigError(
-                f"{self.lengths_setting} {length}: too short for {name} ({fixed} tokens of instructions and chat template, "
-                f"and the task's text does not fit in the {max(length - fixed, 0)} left)"
+                f"{self.lengths_setting} {length}: too short for {name} ({fixed} tokens of instructions and chat "
+                f"template, {new_tokens} to generate, and the task's text does not fit in the "
+                f"{max(target - fixed, 0)} left)"
             )
-        ids, offsets = body
-        assert len(ids) == length - fixed, (name, len(ids), length - fixed)
-        prompt = chat_prompt(self.tokenizer, [*head, *ids, *tail], frame=self.frame)
-        answer_ids, spans = self.answer(draft.references, draft.separator) if draft.ordered else (None, None)
+        prompt_ids, spans, body_ids, body_offsets, user, strip = made
+        start = len(frame.before) + len(draft.head)
+        needle_offsets = []
+        for at in body_offsets:  # the token of the prompt where each needle's text begins
+            char = start + max(len(nd.decode_text(self.tokenizer, body_ids[:at])) - strip, 0)
+            needle_offsets.append(next(i for i, (_, end) in enumerate(spans) if end > char))
+        answer_ids, reference_spans = (
+            self.answer(draft.references, draft.separator) if draft.ordered else (None, None)
+        )
         return RulerCase(
             task=name,
             length=length,
             sample=sample,
-            prompt=Prompt(input_ids=[*prompt.input_ids, *prefix], messages=prompt.messages),
-            needle_offsets=[len(before) + len(head) + at for at in offsets],
+            new_tokens=new_tokens,
+            prompt=Prompt(input_ids=prompt_ids, messages=[*draft.history, {"role": "user", "content": user}]),
+            needle_offsets=needle_offsets,
             references=draft.references,
             answer_prefix=draft.prefix,
             answer_ids=answer_ids,
-            reference_spans=spans,
+            reference_spans=reference_spans,
         )
 
     def answer(self, references: list[str], separator: str) -> tuple[list[int], list[tuple[int, int]]]:
@@ -448,7 +539,6 @@ class _Builder:
     # --- needle in a haystack: needles at random depths of noise, essay sentences or other needles ---
 
     def niah(self, name: str, task: Task, length: int, sample: int, rng: random.Random) -> _Draft:
-        one, many = _KINDS[task.value]
         keys: list[str] = []
         while len(keys) < task.keys:
             key = random_key(rng, task.key)
@@ -459,11 +549,13 @@ class _Builder:
         asked = rng.sample(range(task.keys), task.queries)
         wanted = [(k, v) for k in asked for v in range(task.values)]
         query = _join([keys[k] for k in asked])
-        sep = " " if task.haystack == "essay" else "\n"
+        sep = (
+            " " if task.haystack == "essay" else "\n"
+        )  # RULER joins essay sentences with spaces, lines with \n
         pieces = self.encode_many(
-            [f"{sep}{keys[k]} has a special magic {one}: {values[k][v]}." for k, v in needles]
+            [sep + NEEDLE.format(kind=task.value, key=keys[k], value=values[k][v]) for k, v in needles]
         )
-        depths = sorted(rng.sample(DEPTHS, len(needles)))
+        depths = _depths(rng, len(needles), lines=task.haystack != "essay")
         needed = sum(map(len, pieces))
 
         def body(budget: int):
@@ -474,26 +566,23 @@ class _Builder:
             offset = dict(zip(needles, at, strict=True))
             return ids, [offset[needle] for needle in wanted]
 
-        if task.values * task.queries == 1:
-            head = f"A special magic {one} is hidden in the text below. Remember it: a question about it follows the text.\n"  # fmt: skip
-            tail = f"\nQuestion: which special magic {one} of {query} appears in the text above?"
-            prefix = f"The special magic {one} of {query} in the text above is"
-        else:
-            head = f"Special magic {many} are hidden in the text below. Remember them: a question about them follows the text.\n"  # fmt: skip
-            tail = f"\nQuestion: which special magic {many} of {query} appear in the text above? Give all of them."
-            prefix = f"The special magic {many} of {query} in the text above are"
+        single = task.values * task.queries == 1
+        head, tail, prefix = (
+            _niah_text(t, task.value, single) for t in (_NIAH, _NIAH_QUESTION, _NIAH_PREFIX)
+        )
         references = [values[k][v] for k, v in wanted]
-        return _Draft(head, tail, prefix, references, body, ordered=task.one_order)
+        return _Draft(head, tail.format(query=query), prefix.format(query=query), references, body,
+                      ordered=task.one_order)  # fmt: skip
 
     def haystack_units(
         self, task: Task, rng: random.Random, tokens: int, *, avoid: set[str]
     ) -> list[list[int]]:
-        """Units holding ``tokens`` tokens or more: essay sentences, noise lines, or needles of other keys."""
+        """Units holding ``tokens`` tokens or more: essay sentences (from the first, as RULER takes the essays'
+        first words), noise lines, or needles of other keys."""
         if task.haystack == "essay":
-            return nd.sentences_from(self.essay, rng.randrange(len(self.essay)), tokens)
+            return self.essay(tokens)
         if task.haystack == "noise":
             return _repeated(self.noise, tokens)
-        one = _KINDS[task.value][0]
         units: list[list[int]] = []
         while (total := sum(map(len, units))) < tokens:
             # a first batch measures the needles' size; the next one is about as many as are still needed
@@ -502,7 +591,9 @@ class _Builder:
             while len(texts) < wanted:
                 key = random_key(rng, task.key)
                 if key not in avoid:
-                    texts.append(f"\n{key} has a special magic {one}: {random_value(rng, task.value)}.")
+                    texts.append(
+                        "\n" + NEEDLE.format(kind=task.value, key=key, value=random_value(rng, task.value))
+                    )
             units += self.encode_many(texts)
         return units
 
@@ -510,13 +601,29 @@ class _Builder:
 
     def vt(self, name: str, task: Task, length: int, sample: int, rng: random.Random) -> _Draft:
         example_names, example_value = _variables(rng, VT_HOPS + 1, 3), rng.randint(10_000, 99_999)
-        example = _chain(example_names, example_value)
-        lines = [NOISE] * (VT_EXAMPLE_NOISE + len(example))
-        for slot, statement in zip(sorted(rng.sample(range(len(lines)), len(example))), example, strict=True):
-            lines[slot] = statement
+        example_chain = _chain(example_names, example_value)
+        slots = rng.random()
+
+        def example(
+            noise_lines: int,
+        ) -> str:  # RULER's worked example: an instance, its answer prefix included
+            lines = [NOISE] * (noise_lines + len(example_chain))
+            places = sorted(random.Random(slots).sample(range(len(lines)), len(example_chain)))
+            for slot, statement in zip(places, example_chain, strict=True):
+                lines[slot] = statement
+            context, question = "\n".join(lines), _VT_QUESTION.format(value=example_value)
+            return f"{_VT_INTRO}{context}{question}{_VT_PREFIX.format(count=len(example_names), value=example_value)}"
+
+        # the most noise lines that keep the example within RULER's 500 tokens (at least 5, as RULER)
+        size = lambda lines: len(self.encode(example(lines)))  # noqa: E731
+        noise_lines = max(5, (VT_EXAMPLE_TOKENS - size(0)) // len(self.noise))
+        while size(noise_lines + 1) <= VT_EXAMPLE_TOKENS:
+            noise_lines += 1
+        while noise_lines > 5 and size(noise_lines) > VT_EXAMPLE_TOKENS:
+            noise_lines -= 1
         names, value = _variables(rng, VT_HOPS + 1, 5), rng.randint(10_000, 99_999)
         pieces = self.encode_many([f"\n{statement}" for statement in _chain(names, value)])
-        depths = sorted(rng.sample(DEPTHS, len(pieces)))
+        depths = _depths(rng, len(pieces), lines=True)
         needed = sum(map(len, pieces))
 
         def body(budget: int):
@@ -524,10 +631,7 @@ class _Builder:
                 return None
             return _insert(_repeated(self.noise, budget - needed), budget - needed, pieces, depths)
 
-        shown = (
-            _VT_PREFIX.format(count=len(example_names), value=example_value) + " " + " ".join(example_names)
-        )
-        head = _VT_INTRO + "\n".join(lines) + _VT_QUESTION.format(value=example_value) + "\n" + shown + "\n\n" + _VT_INTRO  # fmt: skip
+        head = f"{example(noise_lines)} {' '.join(example_names)}\n{_VT_INTRO}"
         tail = _VT_QUESTION.format(value=value)
         prefix = _VT_PREFIX.format(count=len(names), value=value)
         return _Draft(head, tail, prefix, names, body, ordered=True, separator="")
@@ -539,17 +643,21 @@ class _Builder:
         common_n, rare_n, example_words, example_common, example_rare = (
             (6, 1, 20, 3, 1) if length < 4096 else (30, 3, 40, 10, 3)
         )
-        words = _word_stream(rng)
+        order = rng.random()  # the words' order: every try at a budget takes the same ones
+        words = _word_stream(random.Random(order))
         example = [next(words) for _ in range(example_words)]
         items = example[:CWE_COMMON] * example_common + example[CWE_COMMON:] * example_rare
         rng.shuffle(items)
         numbered = lambda ws: " ".join(f"{i + 1}. {w}" for i, w in enumerate(ws))  # noqa: E731
-        head = f"{_CWE_INTRO}{numbered(items)}{_CWE_QUESTION}\n{_CWE_PREFIX} {numbered(example[:CWE_COMMON])}\n\n{_CWE_INTRO}"  # fmt: skip
+        # RULER's worked example is a turn of its own, answered after the answer prefix
+        history = ({"role": "user", "content": f"{_CWE_INTRO}{numbered(items)}{_CWE_QUESTION}"},
+                   {"role": "assistant", "content": f"{_CWE_PREFIX.lstrip()} {numbered(example[:CWE_COMMON])}"})  # fmt: skip
         common = [next(words) for _ in range(CWE_COMMON)]
         common_ids = self.encode_many([f" {w}" for w in common])
-        encoded = self.encoded_words(words)
+        taken = example_words + CWE_COMMON
 
         def body(budget: int):
+            encoded = self.encoded_words(itertools.islice(_word_stream(random.Random(order)), taken, None))
             listed = [ids for ids in common_ids for _ in range(common_n)]
             cost = sum(map(len, listed)) + sum(len(self.number(i + 1)) for i in range(len(listed)))
             if cost > budget:
@@ -569,7 +677,7 @@ class _Builder:
                 ids = next(encoded)
             return out[:budget], []
 
-        return _Draft(head, _CWE_QUESTION, _CWE_PREFIX, common, body, ordered=False)
+        return _Draft(_CWE_INTRO, _CWE_QUESTION, _CWE_PREFIX, common, body, ordered=False, history=history)
 
     def encoded_words(self, words: Iterator[str]) -> Iterator[list[int]]:
         """The tokens of ``" {word}"`` for each word, encoded a batch at a time."""
@@ -579,7 +687,9 @@ class _Builder:
     # --- frequent words: a coded text whose words follow a Zipf distribution ---
 
     def fwe(self, name: str, task: Task, length: int, sample: int, rng: random.Random) -> _Draft:
-        size = max(length // 50, 5)  # RULER's vocabulary: one coded word per 50 tokens
+        size = max(
+            (length - self.new_tokens[name]) // 50, 5
+        )  # RULER's vocabulary: a word per 50 prompt tokens
         vocab: set[str] = set()
         while len(vocab) < size:
             vocab.add("".join(rng.choices(string.ascii_lowercase, k=6)))
@@ -603,10 +713,7 @@ class _Builder:
 
     def qa(self, name: str, task: Task, length: int, sample: int, rng: random.Random) -> _Draft:
         data = self.qa_data[task.source]
-        if name not in self._order:  # the same questions at every length
-            self._order[name] = random.Random(f"ruler:{self.seed}:{name}:questions").sample(range(len(data.questions)), len(data.questions))  # fmt: skip
-        order = self._order[name]
-        question = data.questions[order[sample % len(order)]]
+        question = data.questions[sample % len(data.questions)]  # RULER's: the file's first ones, in order
         blank = self.encode("\n\n")
         header = lambda i: (blank if i > 1 else []) + self.encode(f"Document {i}:\n")  # noqa: E731
 
@@ -626,16 +733,24 @@ class _Builder:
                 cost += more
             rng.shuffle(chosen)
             out, gold = [], []
-            for i, doc in enumerate([*chosen, extra]):  # the one that did not fit is cut
+            for i, doc in enumerate(chosen):  # whole documents only, as RULER: the prompt may fall short
                 out += blank if i else []
-                if i < len(chosen) and doc in question.gold:
+                if doc in question.gold:
                     gold.append(len(out))
                 out += [*self.encode(f"Document {i + 1}:\n"), *texts[doc]]
-            return out[:budget], gold
+            return out, gold
 
-        head = f"{_QA_INSTRUCTION}\n\nThe documents:\n\n"
+        head = f"{_QA_INSTRUCTION}\n\nThe following are given documents.\n\n"
         tail = f"\n\n{_QA_INSTRUCTION}\n\nQuestion: {question.question}"
-        return _Draft(head, tail, "Answer:", question.answers, body, ordered=task.one_order, separator="")
+        return _Draft(head, tail, _QA_PREFIX, question.answers, body, ordered=task.one_order, separator="")
+
+
+def _depths(rng: random.Random, count: int, *, lines: bool) -> list[float]:
+    """Where ``count`` needles go, in percent of the haystack, sorted: in essays, RULER's depths (``DEPTHS``,
+    without repeats); among lines (noise, other needles, vt's chain), anywhere, as RULER picks random lines."""
+    if lines:
+        return sorted(100 * rng.random() for _ in range(count))
+    return sorted(rng.sample(DEPTHS, count))
 
 
 def _zipf_counts(lens: list[int], budget: int) -> tuple[list[int], int]:
@@ -685,9 +800,10 @@ def _variables(rng: random.Random, count: int, letters: int) -> list[str]:
 
 
 def _chain(names: list[str], value: int) -> list[str]:
-    """``['VAR ABCDE = 12345', 'VAR FGHIJ = VAR ABCDE', ...]``: each variable bound to the one before."""
+    """``['VAR ABCDE = 12345', 'VAR FGHIJ = VAR ABCDE ', ...]``: each variable bound to the one before (with
+    RULER's space after each hop)."""
     return [f"VAR {names[0]} = {value}"] + [
-        f"VAR {b} = VAR {a}" for a, b in zip(names, names[1:], strict=False)
+        f"VAR {b} = VAR {a} " for a, b in zip(names, names[1:], strict=False)
     ]
 
 
@@ -696,11 +812,12 @@ def _chain(names: list[str], value: int) -> list[str]:
 
 def score_output(task: str, references: Sequence[str], output: str) -> float:
     """RULER's score of one reply: the share of ``references`` in it x 100; QA: 100 if any is in it.
+    Case is folded with ``str.lower``, as RULER's scorer does.
 
     >>> score_output("niah_multivalue", ["123", "456", "789", "000"], "They are 123 and 789.")
     50.0
     """
-    hits = [nd.found(r, output) for r in references]
+    hits = [r.lower() in output.lower() for r in references]
     if TASKS[task].family == "qa":
         return 100.0 * any(hits)
     return 100.0 * sum(hits) / len(hits)
@@ -712,16 +829,19 @@ def _row(case: RulerCase) -> dict:
         "length": case.length,
         "sample": case.sample,
         "prompt_tokens": len(case.prompt.input_ids),
+        "new_tokens": case.new_tokens,
+        "answer_prefix": case.answer_prefix,
         "needle_offsets": case.needle_offsets,
         "references": case.references,
     }
 
 
 def generation_row(case: RulerCase, reply: Reply) -> dict:
-    """The ``results.jsonl`` row of a generated reply; a failed request has no score and its error."""
+    """The ``results.jsonl`` row of a generated reply; a failed request scores 0 (RULER's scorer sees an
+    empty prediction) and keeps its error."""
     row = _row(case)
     row.update(
-        output=reply.text, score=None if reply.error else score_output(case.task, case.references, reply.text)
+        output=reply.text, score=0.0 if reply.error else score_output(case.task, case.references, reply.text)
     )
     if reply.error:
         row["error"] = reply.error
@@ -756,12 +876,30 @@ def effective_length(average_by_length: dict[int, float | None], threshold: floa
     return found
 
 
-def summary(rows: Sequence[dict], *, threshold: float = THRESHOLD) -> dict:
-    """Mean score by task and length, the average over tasks by length, the effective length.
+def missing_for_comparison(tasks: Sequence[str], *, essays: bool) -> list[str]:
+    """What keeps a run's average from standing next to RULER's published ones: tasks that did not run,
+    and haystacks that are not the reference's. ``essays``: the essay haystack is RULER's essays file.
 
-    Rows whose call failed (score None) are counted in ``failed``, not scored.
+    >>> missing_for_comparison(list(TASKS)[:11], essays=False)
+    ['tasks not run: qa_squad, qa_hotpot (--squad, --hotpot)', "essay haystack: not RULER's essays file (--haystack PaulGrahamEssays.json)"]
     """
-    scored = [r for r in rows if r["score"] is not None]
+    missing = []
+    absent = [t for t in TASKS if t not in tasks]
+    if absent:
+        files = [f"--{TASKS[t].source}" for t in absent if TASKS[t].family == "qa"]
+        missing.append(f"tasks not run: {', '.join(absent)}" + (f" ({', '.join(files)})" if files else ""))
+    if not essays and any(TASKS[t].haystack == "essay" for t in tasks):
+        missing.append("essay haystack: not RULER's essays file (--haystack PaulGrahamEssays.json)")
+    return missing
+
+
+def summary(rows: Sequence[dict], *, threshold: float = THRESHOLD, essays: bool = False) -> dict:
+    """Mean score by task and length; the average over RULER's 13 tasks by length and the effective length
+    when the run can stand next to RULER's table, else the average over the tasks that ran, labelled.
+
+    A failed request scored 0 and is counted in ``failed``. ``essays``: the essay haystack was RULER's
+    essays file (``missing_for_comparison``).
+    """
     tasks = [t for t in TASKS if any(r["task"] == t for r in rows)]
     lengths = sorted({r["length"] for r in rows})
 
@@ -770,31 +908,42 @@ def summary(rows: Sequence[dict], *, threshold: float = THRESHOLD) -> dict:
 
     def table(key: str) -> dict[str, dict[str, float | None]]:
         return {
-            t: {
-                str(n): mean([r[key] for r in scored if r["task"] == t and r["length"] == n]) for n in lengths
-            }
+            t: {str(n): mean([r[key] for r in rows if r["task"] == t and r["length"] == n]) for n in lengths}
             for t in tasks
         }
 
     by_task_length = table("score")
     average = {n: mean([v for t in tasks if (v := by_task_length[t][str(n)]) is not None]) for n in lengths}
+    missing = missing_for_comparison(tasks, essays=essays)
     result = {
         "by_task_length": by_task_length,
-        "average_by_length": {str(n): v for n, v in average.items()},
-        "effective_length": effective_length(average, threshold),
+        "comparable": not missing,  # all 13 tasks on the reference haystacks: RULER's average
+        "not_comparable_because": missing,
+        "average_by_length": None if missing else {str(n): v for n, v in average.items()},
+        "effective_length": None if missing else effective_length(average, threshold),
+        "partial_average_by_length": {str(n): v for n, v in average.items()} if missing else None,
         "threshold": threshold,
         "tasks": tasks,
         "lengths": lengths,
         "n": len(rows),
-        "failed": len(rows) - len(scored),
+        "failed": sum("error" in r for r in rows),
     }
-    if any("logprob" in r for r in scored):
+    if any("logprob" in r for r in rows):
         result["logprob_by_task_length"] = table("logprob")
     return result
 
 
+def averages(summary_: dict) -> tuple[str, dict[str, float | None]]:
+    """The row that closes the table: ``("average", ...)``, or ``("partial average", ...)`` when the run is
+    not comparable with RULER's."""
+    if summary_["comparable"]:
+        return "average", summary_["average_by_length"]
+    return "partial average", summary_["partial_average_by_length"]
+
+
 def summary_csv(summary_: dict) -> str:
-    """``task,length,score`` (and ``logprob``) per cell, then the ``average`` rows."""
+    """``task,length,score`` (and ``logprob``) per cell, then the ``average`` rows (``partial average
+    (not comparable)`` when the run is not comparable with RULER's)."""
     logprob = summary_.get("logprob_by_task_length")
     lines = ["task,length,score" + (",logprob" if logprob else "")]
     fmt = lambda value: "" if value is None else f"{value:.6g}"  # noqa: E731
@@ -803,8 +952,10 @@ def summary_csv(summary_: dict) -> str:
             lines.append(
                 f"{task},{length},{fmt(value)}" + (f",{fmt(logprob[task][length])}" if logprob else "")
             )
-    for length, value in summary_["average_by_length"].items():
-        lines.append(f"average,{length},{fmt(value)}" + ("," if logprob else ""))
+    label, values = averages(summary_)
+    label = label if summary_["comparable"] else f"{label} (not comparable)"
+    for length, value in values.items():
+        lines.append(f"{label},{length},{fmt(value)}" + ("," if logprob else ""))
     return "\n".join(lines) + "\n"
 
 
@@ -813,9 +964,10 @@ def plot_heatmap(summary_: dict, path: Path, *, title: str) -> None:
     from matplotlib.figure import Figure  # no pyplot, no display
 
     lengths = [str(n) for n in summary_["lengths"]]
-    rows = [*summary_["tasks"], "average"]
+    label, values = averages(summary_)
+    rows = [*summary_["tasks"], label]
     grid = [[_value(summary_["by_task_length"][t][n]) for n in lengths] for t in summary_["tasks"]]
-    grid.append([_value(summary_["average_by_length"][n]) for n in lengths])
+    grid.append([_value(values[n]) for n in lengths])
     figure = Figure(figsize=(3.5 + 0.8 * len(lengths), 1.2 + 0.35 * len(rows)), layout="constrained")
     ax = figure.subplots()
     image = ax.imshow(grid, cmap="RdYlGn", vmin=0.0, vmax=100.0, aspect="auto")
@@ -828,8 +980,11 @@ def plot_heatmap(summary_: dict, path: Path, *, title: str) -> None:
     ax.set_xticks(range(len(lengths)), lengths, rotation=45)
     ax.set_yticks(range(len(rows)), rows)
     effective = summary_["effective_length"]
-    ax.set(xlabel="prompt length (tokens)", title=f"effective length {effective or 'none'} "
-           f"(average >= {summary_['threshold']:g})")  # fmt: skip
+    if summary_["comparable"]:
+        heading = f"effective length {effective or 'none'} (average >= {summary_['threshold']:g})"
+    else:
+        heading = "not comparable with RULER's table:\n" + "\n".join(summary_["not_comparable_because"])
+    ax.set(xlabel="length (tokens: prompt and generation budget)", title=heading)
     figure.colorbar(image, ax=ax, label="score (0-100)")
     figure.suptitle(title)
     figure.savefig(path, dpi=100)
