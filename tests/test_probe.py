@@ -329,23 +329,23 @@ def probe(tmp_path: Path, name: str, *args: str) -> tuple[subprocess.CompletedPr
 
 @pytest.mark.integration
 def test_ladder_finds_a_fitting_length_and_stops_at_a_memory_cap(tmp_path):
-    result, report = probe(tmp_path, "free", "--lengths", "512,8k", "training.hub_token='hf_probe_secret'")
+    result, report = probe(tmp_path, "free", "--lengths", "512,4k", "training.hub_token='hf_probe_secret'")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "hf_probe_secret" not in (tmp_path / "free" / "probe.json").read_text()  # overrides are redacted
     assert [p.name for p in (tmp_path / "free").iterdir()] == ["probe.json"]  # the steps' files are gone
-    assert "largest length that fits: 8k (8,192 tokens per pack)" in result.stdout
+    assert "largest length that fits: 4k (4,096 tokens per pack)" in result.stdout
     small, large = report["results"]
     assert small["status"] == large["status"] == FITS
     assert large["peak_bytes"] > small["peak_bytes"] > 0  # a fresh process per length: each peak its own
     assert small["step_seconds"] > 0 and small["samples_per_pack"] >= 1
 
-    cap = (small["peak_bytes"] + large["peak_bytes"]) // 2  # room for 512 tokens, not for 8k
-    result, report = probe(tmp_path, "capped", "--lengths", "512,8k,16k", "--max-memory", str(cap))
+    cap = (small["peak_bytes"] + large["peak_bytes"]) // 2  # room for 512 tokens, not for 4k
+    result, report = probe(tmp_path, "capped", "--lengths", "512,4k,8k", "--max-memory", str(cap))
     assert result.returncode == 0  # the smallest length fits: the ladder has an answer
     out = result.stdout
     assert "largest length that fits: 512 (512 tokens per pack)" in out
-    assert "8k failed: out of memory: peak" in out and "is over --max-memory" in out
-    assert any(line.startswith("16k") and line.endswith("not run") for line in out.splitlines())
+    assert "4k failed: out of memory: peak" in out and "is over --max-memory" in out
+    assert any(line.startswith("8k") and line.endswith("not run") for line in out.splitlines())
     assert "activation_checkpointing=true" in out  # advice from the demo config
     assert report["largest_fitting_length"] == 512
     assert [e["status"] for e in report["results"]] == [FITS, OUT_OF_MEMORY]
