@@ -48,7 +48,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from longalign.errors import ModelError
 
-from .tiled_mlp import _autocast_state, _bounds, _cast, _rng_state, tile_count
+from .tiled_mlp import _autocast_state, _cast, _rng_state, _tiles, tile_count
 
 # Decoder layers whose every part but the attention kernel treats each token alone, by class, and the
 # family's extras: q/k norms per head (Qwen3), norms after attention and MLP (GLM-4), and where the
@@ -233,7 +233,7 @@ class _Tiles:
 
     def __init__(self, count: int, layer: nn.Module) -> None:
         self.count, self.layer = count, layer
-        self.branch_states: list | None = None  # the attention branch's, for rebuilding h
+        self.branch_states: dict | None = None  # the attention branch's, for rebuilding h
         self.device = torch.device("cpu")
 
     def trained(self, modules: list[nn.Module]) -> list[torch.Tensor]:
@@ -270,8 +270,9 @@ class _Tiles:
         trained = self.trained(modules)
         return _TiledRebuilt.apply(step, self, rebuild, len(sources), h, *sources, *trained)
 
-    def new_states(self) -> list | None:
-        return [] if self.layer.training else None
+    def new_states(self) -> dict | None:
+        """Where a part keeps each tile's random state, by tile index (None out of training)."""
+        return {} if self.layer.training else None
 
     def restore(self, index: int) -> None:
         """Set the random state that tile ``index`` of the attention branch started from."""
@@ -327,9 +328,9 @@ class _TiledTokens(torch.autograd.Function):
         ctx.save_for_backward(*stepped)
         length = inputs[0].shape[1]
         outputs: list[torch.Tensor] = []
-        for start, stop in _bounds(length, tiles.count):
+        for index, start, stop in _tiles(length, tiles.count):
             if ctx.states is not None:
-                ctx.states.append(_rng_state(device))
+                ctx.states[index] = _rng_state(device)
             ys = list(step(*(x[:, start:stop] for x in stepped)))
             if residual:
                 ys[0] = inputs[0][:, start:stop] + ys[0]
@@ -350,7 +351,7 @@ class _TiledTokens(torch.autograd.Function):
         sums: list[torch.Tensor | None] = [None] * len(trained)
         device = stepped[0].device
         with _recompute(device, ctx.autocast, ctx.states is not None):
-            for index, (start, stop) in enumerate(_bounds(stepped[0].shape[1], ctx.tiles.count)):
+            for index, start, stop in _tiles(stepped[0].shape[1], ctx.tiles.count):
                 if ctx.states is not None:
                     _set_rng(device, ctx.states[index])
                 tiles = [
@@ -389,9 +390,9 @@ class _TiledRebuilt(torch.autograd.Function):
         ctx.states = tiles.new_states()
         ctx.save_for_backward(*sources)
         out = h  # each tile of the output replaces its tile of h, which nothing keeps: no second buffer
-        for start, stop in _bounds(h.shape[1], tiles.count):
+        for index, start, stop in _tiles(h.shape[1], tiles.count):
             if ctx.states is not None:
-                ctx.states.append(_rng_state(h.device))
+                ctx.states[index] = _rng_state(h.device)
             (y,) = step(h[:, start:stop])
             if y.dtype != out.dtype:
                 out = y.new_empty((y.shape[0], h.shape[1], *y.shape[2:]))
@@ -410,7 +411,7 @@ class _TiledRebuilt(torch.autograd.Function):
         sums: list[torch.Tensor | None] = [None] * len(trained)
         device = grad_out.device
         with _recompute(device, ctx.autocast, ctx.states is not None):
-            for index, (start, stop) in enumerate(_bounds(grad_out.shape[1], ctx.tiles.count)):
+            for index, start, stop in _tiles(grad_out.shape[1], ctx.tiles.count):
                 with torch.no_grad():
                     h = ctx.rebuild(index, *(x[:, start:stop] for x in sources))
                 if ctx.states is not None:
