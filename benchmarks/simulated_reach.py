@@ -2,7 +2,7 @@
 longest pack that fits one 80 GB GPU, one 141 GB GPU, and 8 x 80 GB with sequence parallelism 8, next to
 the figures DeepSpeed ALST publishes for Llama-3.1-8B.
 
-    python benchmarks/simulated_reach.py [--lengths 32k,64k] [--kernel flash_attn_2] [--models llama,glm]
+    python benchmarks/simulated_reach.py [--lengths 512k,1m] [--kernel flash_attn_2] [--models llama,glm]
 
 Every figure is simulated (``longalign probe --simulate``: the run's step on fake tensors, counted; nothing
 is computed and no GPU has measured it). Each variant adds to the one before, all with bfloat16 weights,
@@ -14,12 +14,16 @@ the chunked loss, DeepSpeed ZeRO-3 with parameters and optimizer states in host 
 - + tiled layer:      ``training.sequence_tiling = "layer"``
 - + offloaded inputs: ``training.offload_activations = true``
 
-A step's memory is linear in the tokens on a GPU (per-sample attention keeps O(tokens)), so each variant is
-simulated at the two ``--lengths`` and the line through them gives the bytes per token per unit of hidden
-(``B/token/hidden``) and the longest pack under 80 GiB and 141 GB (131.3 GiB); host memory (2 TiB per
-node) limits every row. The 8-GPU rows are simulated with ``sequence_parallel_size = 8`` (rank 0
-of the group: its slice, and the all-to-all buffers), one process per line. Takes about 20 minutes
-on two cores.
+A step's memory is linear in the tokens on a GPU (per-sample attention keeps O(tokens)) once the part that
+grows with them holds the peak, so each variant is simulated at the two ``--lengths`` per GPU and the line
+through them gives what each more token adds, per unit of hidden (``B/token/hidden``), and the longest pack
+under 80 GiB and 141 GB (131.3 GiB); host memory (2 TiB per node) limits every row. Below about 512k
+tokens per GPU the tiled layer's peak (with offloaded inputs) is set by another part of the step than the
+one that grows fastest, and a line through two such lengths promises far too much: through 128k and 256k,
+10.4 bytes per token per unit of hidden and 1,792k tokens on 80 GB, where from 1M to 2M the step grows by
+14.1 and 1,792k does not fit. The 8-GPU rows are simulated with ``sequence_parallel_size = 8`` (rank 0 of
+the group: its slice, and the all-to-all buffers), one process per line. Takes about 18 minutes on two
+shared cores.
 """
 
 from __future__ import annotations
@@ -84,10 +88,11 @@ def line(model: Path, variant: list[str], lengths: list[int], gpus: int, kernel:
         low, high = json.loads(output.read_text())["simulated"]
     slope = (high["peak"] - low["peak"]) / (high["length"] - low["length"])
     host_slope = (high["host_per_node"] - low["host_per_node"]) / (high["length"] - low["length"])
+    hidden = json.loads((model / "config.json").read_text())["hidden_size"]
     return {
         "peak": (high["peak"] - slope * high["length"], slope),
         "host": (high["host_per_node"] - host_slope * high["length"], host_slope),
-        "per_token_per_hidden": high["activation_bytes_per_token_per_hidden"],
+        "per_token_per_hidden": slope * gpus / hidden,  # per token on a GPU
     }
 
 
@@ -104,7 +109,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--lengths", default="32k,64k", help="the two pack lengths each line goes through")
+    parser.add_argument("--lengths", default="512k,1m", help="the two lengths per GPU each line goes through")
     parser.add_argument("--kernel", default="flash_attn_2", help="the attention kernel stood in for")
     parser.add_argument("--models", default="llama,glm")
     args = parser.parse_args()

@@ -88,12 +88,14 @@ def varlen_attention(
     dropout: float = 0.0,
     window: int | None = None,
     backend: str = "auto",
+    per_kv_head: bool = False,
 ) -> torch.Tensor:
     """Attention within each packed sample: ``q [T, Hq, D]``, ``k/v [T, Hkv, D]`` -> ``[T, Hq, Dv]``.
 
     ``cu_seqlens`` is ``[0, l1, l1+l2, ..., T]`` (any integer dtype, any device); ``max_seqlen`` is the
     longest sample. ``scale`` defaults to ``1/sqrt(D)``. ``backend`` is ``"auto"`` or one of ``BACKENDS``;
-    a named backend that cannot run these tensors raises ``ValueError`` saying why.
+    a named backend that cannot run these tensors raises ``ValueError`` saying why. ``per_kv_head`` runs
+    the kernel once per key/value head (see :class:`_PerKVHead`), without dropout.
     """
     if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
         raise ValueError(
@@ -112,7 +114,77 @@ def varlen_attention(
         raise ValueError(f"window must be a positive number of tokens, got {window}")
     name = resolve_backend(q.device, q.dtype, window=window, dropout=dropout, backend=backend)
     cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()  # as the kernels take it
-    return _BACKEND_FUNCTIONS[name](q, k, v, cu_seqlens, int(max_seqlen), causal, scale, dropout, window)
+    function = _BACKEND_FUNCTIONS[name]
+
+    def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return function(q, k, v, cu_seqlens, int(max_seqlen), causal, scale, dropout, window)
+
+    # With dropout a recompute would draw other masks than the forward: the kernel runs whole.
+    if per_kv_head and k.shape[1] > 1 and not dropout:
+        return _PerKVHead.apply(kernel, q, k, v)
+    return kernel(q, k, v)
+
+
+class _PerKVHead(torch.autograd.Function):
+    """Attention one key/value head at a time: the kernel runs on that head and its query heads alone.
+
+    Heads are independent, so the result is the kernel's on all heads at once. What changes is the memory of
+    backward: a FlashAttention kernel's backward allocates buffers the size of all the query heads it is
+    given (FlashAttention 2: a float32 ``dq`` accumulator, and under grouped-query attention ``dk``/``dv``
+    expanded to every query head, 8 bytes per token per unit of hidden for Llama-3.1-8B's 32/8 heads),
+    and here they exist for one key/value head's group at a time. For Hq = 4, Hkv = 2::
+
+        q [T, 4, D]   heads 0 1 | 2 3        out [T, 4, D]: each group's output written into its heads
+        k, v [T, 2, D]      0   |   1        (one buffer, no list of groups and their concatenation)
+
+    The kernel's own autograd keeps what its backward needs (its output, the log-sum-exp) out of reach, so
+    nothing of it is kept: backward runs each group's forward again and differentiates that alone, writing
+    the group's gradients into ``dq``, ``dk``, ``dv``. This costs one more forward of the kernel; the
+    memory kept is ``q``, ``k``, ``v``, as every attention keeps them.
+    """
+
+    @staticmethod
+    def forward(ctx, kernel: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        ctx.kernel = kernel
+        ctx.autocast = torch.is_autocast_enabled(q.device.type), torch.get_autocast_dtype(q.device.type)
+        ctx.save_for_backward(q, k, v)
+        out = None
+        for heads, kv_head in _kv_head_groups(q.shape[1], k.shape[1]):
+            y = kernel(q[:, heads], k[:, kv_head], v[:, kv_head])
+            if out is None:
+                out = y.new_empty((q.shape[0], q.shape[1], y.shape[-1]))
+            out[:, heads] = y
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v = ctx.saved_tensors
+        wanted = ctx.needs_input_grad[1:]
+        grads = [torch.empty_like(x) if want else None for x, want in zip((q, k, v), wanted, strict=True)]
+        enabled, dtype = ctx.autocast
+        for heads, kv_head in _kv_head_groups(q.shape[1], k.shape[1]):
+            where = (heads, kv_head, kv_head)
+            parts = [
+                x[:, at].detach().requires_grad_(want)
+                for x, at, want in zip((q, k, v), where, wanted, strict=True)
+            ]
+            with torch.enable_grad(), torch.autocast(q.device.type, dtype=dtype, enabled=enabled):
+                y = ctx.kernel(*parts)
+            found = iter(torch.autograd.grad(y, [x for x in parts if x.requires_grad], grad_out[:, heads]))
+            for grad, at in zip(grads, where, strict=True):
+                if grad is not None:
+                    grad[:, at] = next(found)
+        return None, *grads
+
+
+def _kv_head_groups(heads: int, kv_heads: int) -> list[tuple[slice, slice]]:
+    """``(query heads, key/value head)`` of each key/value head, as slices.
+
+    >>> _kv_head_groups(4, 2)
+    [(slice(0, 2, None), slice(0, 1, None)), (slice(2, 4, None), slice(1, 2, None))]
+    """
+    per = heads // kv_heads
+    return [(slice(g * per, (g + 1) * per), slice(g, g + 1)) for g in range(kv_heads)]
 
 
 def available_backends(

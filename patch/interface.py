@@ -78,9 +78,14 @@ def varlen_attention_forward(
     s_aux: torch.Tensor | None = None,
     *,
     backend: str = "auto",
+    per_kv_head: bool = False,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention function: ``[B, Hq, T, D]`` in, ``([B, T, Hq, Dv], None)`` out."""
+    """transformers attention function: ``[B, Hq, T, D]`` in, ``([B, T, Hq, Dv], None)`` out.
+
+    ``per_kv_head`` (from the tiled layer, through DeepSpeed's Ulysses exchange when it wraps this
+    function) runs the kernel once per key/value head of the heads this rank holds.
+    """
     if attention_mask is not None:
         raise ValueError(
             f"longalign's varlen attention got a {attention_mask.dim()}D attention mask; packed batches carry "
@@ -116,6 +121,7 @@ def varlen_attention_forward(
         dropout=dropout,
         window=sliding_window,
         backend=backend,
+        per_kv_head=per_kv_head,
     )
     return out.view(batch, length, heads, out.shape[-1]), None
 

@@ -7,13 +7,19 @@ for one micro-batch of ``T`` tokens (hidden ``H``, ``Hq`` query and ``Hkv`` key/
     before    x [T, H] tile by tile: input norm, q/k/v projections (+ biases, + Qwen3's per-head
               norms), RoPE                                  -> q [T, Hq, D], k, v [T, Hkv, D]
     kernel    the model's attention function on the whole q, k, v (varlen, and the Ulysses exchange
-              under sequence parallelism)                   -> attention output [T, Hq x D]
+              under sequence parallelism), its kernel run once per key/value head
+                                                            -> attention output [T, Hq x D]
     after     x and the attention output tile by tile: o-projection (+ GLM-4's post-attention norm),
               residual, norm, MLP (+ GLM-4's post-MLP norm), residual               -> out [T, H]
 
 So the tensors that span the whole micro-batch are the layer's input, q, k, v, the attention output (and
 what the kernel keeps), and their gradients; the norms' outputs, the projections' ``[T, intermediate]``
-tensors and the residual sums exist for one tile at a time, in forward and in backward. The part after
+tensors and the residual sums exist for one tile at a time, in forward and in backward. The attention
+kernel's own backward buffers exist for one key/value head and its query heads at a time (longalign's
+varlen attention with ``per_kv_head``, after the exchange): FlashAttention 2's float32 ``dq`` accumulator
+and its ``dk``/``dv`` expanded to every query head, 8 bytes per token per unit of hidden for Llama-3.1-8B's
+32/8 heads, become an eighth of that. The model's final norm runs in tiles too: untiled, its float32
+backward holds more than any tiled layer (24 bytes per token per unit of hidden). The part after
 the kernel is two autograd nodes, ``h = x + o_proj(attention output)`` and ``h + mlp(norm(h))``: the first
 passes ``h``'s gradient on to ``x`` as it is, and the second keeps ``x`` and the attention output (kept
 anyway) instead of ``h`` and rebuilds each tile of ``h`` in its backward, so the gradient arriving at the
@@ -48,7 +54,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from longalign.errors import ModelError
 
-from .tiled_mlp import _autocast_state, _bounds, _cast, _rng_state, tile_count
+from .tiled_mlp import _autocast_state, _cast, _rng_state, _tiles, tile_count
 
 # Decoder layers whose every part but the attention kernel treats each token alone, by class, and the
 # family's extras: q/k norms per head (Qwen3), norms after attention and MLP (GLM-4), and where the
@@ -66,7 +72,8 @@ _TILED_CLASSES: dict[type, type] = {}  # a layer class -> its tiled subclass
 
 
 def tile_layers(model: nn.Module, *, tile_tokens: int = 0) -> nn.Module:
-    """Run every decoder layer of ``model`` in tiles of ``tile_tokens`` tokens (0: ``hidden_size``).
+    """Run every decoder layer of ``model``, and the norm after them, in tiles of ``tile_tokens`` tokens
+    (0: ``hidden_size``).
 
     Raises ``ModelError`` naming the class of a layer that cannot be tiled. Call it after the run's
     ``TrainingArguments`` and before the engine wraps the model (ZeRO-3 reads the leaf flag when it
@@ -87,11 +94,33 @@ def tile_layers(model: nn.Module, *, tile_tokens: int = 0) -> nn.Module:
         if not hasattr(type(layer), "untiled"):
             layer.__class__ = _tiled_class(type(layer))
         layer.tile_tokens = tile_tokens
-        if zero3:
-            from deepspeed.utils import set_z3_leaf_module
+    norm = _final_norm(model)
+    if norm is not None:
+        norm.forward = functools.partial(_tiled_norm_forward, norm, tile_tokens=tile_tokens)
+    if zero3:
+        from deepspeed.utils import set_z3_leaf_module
 
-            set_z3_leaf_module(layer, True)
+        for module in [*layers, *([norm] if norm is not None else [])]:
+            set_z3_leaf_module(module, True)
     return model
+
+
+def _final_norm(model: nn.Module) -> nn.Module | None:
+    """The norm after the last decoder layer (``model.model.norm`` for every family in ``TILEABLE_LAYERS``)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    return getattr(decoder, "norm", None)
+
+
+def _tiled_norm_forward(norm: nn.Module, hidden_states: torch.Tensor, *, tile_tokens: int) -> torch.Tensor:
+    """The final norm over ``hidden_states [B, T, H]`` in tiles, recomputed in backward.
+
+    Untiled, its backward holds several float32 ``[T, H]`` temporaries at once (the norm computes in float32),
+    more than any tiled layer holds; tiled, one tile of them.
+    """
+    batch, length, hidden = hidden_states.shape
+    tiles = _Tiles(min(length, tile_count(batch * length, hidden, tile_tokens)), norm)
+    (out,) = tiles.run(lambda x: (type(norm).forward(norm, x),), [hidden_states], [norm])
+    return out
 
 
 def _tiled_class(cls: type) -> type:
@@ -153,6 +182,7 @@ def _tiled_layer_forward(
         dropout=0.0 if not attn.training else attn.attention_dropout,
         scaling=attn.scaling,
         position_ids=position_ids,
+        per_kv_head=True,  # longalign's varlen attention: the kernel's backward buffers one group at a time
         **options,
         **kwargs,
     )
@@ -233,7 +263,7 @@ class _Tiles:
 
     def __init__(self, count: int, layer: nn.Module) -> None:
         self.count, self.layer = count, layer
-        self.branch_states: list | None = None  # the attention branch's, for rebuilding h
+        self.branch_states: dict | None = None  # the attention branch's, for rebuilding h
         self.device = torch.device("cpu")
 
     def trained(self, modules: list[nn.Module]) -> list[torch.Tensor]:
@@ -270,8 +300,9 @@ class _Tiles:
         trained = self.trained(modules)
         return _TiledRebuilt.apply(step, self, rebuild, len(sources), h, *sources, *trained)
 
-    def new_states(self) -> list | None:
-        return [] if self.layer.training else None
+    def new_states(self) -> dict | None:
+        """Where a part keeps each tile's random state, by tile index (None out of training)."""
+        return {} if self.layer.training else None
 
     def restore(self, index: int) -> None:
         """Set the random state that tile ``index`` of the attention branch started from."""
@@ -327,9 +358,9 @@ class _TiledTokens(torch.autograd.Function):
         ctx.save_for_backward(*stepped)
         length = inputs[0].shape[1]
         outputs: list[torch.Tensor] = []
-        for start, stop in _bounds(length, tiles.count):
+        for index, start, stop in _tiles(length, tiles.count):
             if ctx.states is not None:
-                ctx.states.append(_rng_state(device))
+                ctx.states[index] = _rng_state(device)
             ys = list(step(*(x[:, start:stop] for x in stepped)))
             if residual:
                 ys[0] = inputs[0][:, start:stop] + ys[0]
@@ -350,7 +381,7 @@ class _TiledTokens(torch.autograd.Function):
         sums: list[torch.Tensor | None] = [None] * len(trained)
         device = stepped[0].device
         with _recompute(device, ctx.autocast, ctx.states is not None):
-            for index, (start, stop) in enumerate(_bounds(stepped[0].shape[1], ctx.tiles.count)):
+            for index, start, stop in _tiles(stepped[0].shape[1], ctx.tiles.count):
                 if ctx.states is not None:
                     _set_rng(device, ctx.states[index])
                 tiles = [
@@ -389,9 +420,9 @@ class _TiledRebuilt(torch.autograd.Function):
         ctx.states = tiles.new_states()
         ctx.save_for_backward(*sources)
         out = h  # each tile of the output replaces its tile of h, which nothing keeps: no second buffer
-        for start, stop in _bounds(h.shape[1], tiles.count):
+        for index, start, stop in _tiles(h.shape[1], tiles.count):
             if ctx.states is not None:
-                ctx.states.append(_rng_state(h.device))
+                ctx.states[index] = _rng_state(h.device)
             (y,) = step(h[:, start:stop])
             if y.dtype != out.dtype:
                 out = y.new_empty((y.shape[0], h.shape[1], *y.shape[2:]))
@@ -410,7 +441,7 @@ class _TiledRebuilt(torch.autograd.Function):
         sums: list[torch.Tensor | None] = [None] * len(trained)
         device = grad_out.device
         with _recompute(device, ctx.autocast, ctx.states is not None):
-            for index, (start, stop) in enumerate(_bounds(grad_out.shape[1], ctx.tiles.count)):
+            for index, start, stop in _tiles(grad_out.shape[1], ctx.tiles.count):
                 with torch.no_grad():
                     h = ctx.rebuild(index, *(x[:, start:stop] for x in sources))
                 if ctx.states is not None:

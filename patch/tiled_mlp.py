@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -121,7 +122,7 @@ class _TiledMLP(torch.autograd.Function):
         ctx.save_for_backward(x)
         flat = x.reshape(-1, x.shape[-1])
         out = None
-        for start, stop in _bounds(flat.shape[0], tiles):
+        for _, start, stop in _tiles(flat.shape[0], tiles):
             y = _dense(mlp, flat[start:stop])
             if out is None:  # one output buffer, not a list of tiles and their concatenation
                 out = y.new_empty((flat.shape[0], y.shape[-1]))
@@ -139,7 +140,7 @@ class _TiledMLP(torch.autograd.Function):
         grad_x = torch.empty_like(flat) if wants_x else None
         sums: list[torch.Tensor | None] = [None] * len(trained)
         with _replay(x.device, ctx.autocast, ctx.rng):
-            for start, stop in _bounds(flat.shape[0], ctx.tiles):
+            for _, start, stop in _tiles(flat.shape[0], ctx.tiles):
                 tile = flat[start:stop].detach().requires_grad_(wants_x)
                 with torch.enable_grad():
                     y = _dense(mlp, tile)
@@ -162,6 +163,49 @@ class _TiledMLP(torch.autograd.Function):
 
 def _cast(grad: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return None if grad is None else grad.to(dtype)
+
+
+# Set while the simulation counts a step on fake tensors (distinct_tiles_only): the tiled loops run only
+# the tiles whose allocations differ from those of the tiles before them.
+_DISTINCT_TILES_ONLY = False
+
+
+@contextlib.contextmanager
+def distinct_tiles_only() -> Iterator[None]:
+    """Within the block, the tiled loops (this MLP's, ``tiled_layer``'s) run only the tiles that can reach a
+    new peak of memory, to count a step on fake tensors (``longalign.simulate``); never to compute one.
+
+    A loop's first tile makes what the loop keeps (the output buffers; in backward the input gradients'
+    buffers and the parameters' gradient sums); every later tile writes into those and frees all it
+    allocated, so it leaves the memory as it found it. Tiles of one size after the first therefore repeat
+    the same allocations from the same level, and the first two tiles and the first of each further size
+    (the last tiles may be one token shorter) reach every peak the whole loop reaches. On fake tensors
+    nothing is computed, so the tiles skipped change the counted memory by nothing. Under tracing
+    (``torch.compile``) fake tensors stand for real ones: the flag is set by the simulation alone.
+    """
+    global _DISTINCT_TILES_ONLY
+    before, _DISTINCT_TILES_ONLY = _DISTINCT_TILES_ONLY, True
+    try:
+        yield
+    finally:
+        _DISTINCT_TILES_ONLY = before
+
+
+def _tiles(tokens: int, count: int) -> list[tuple[int, int, int]]:
+    """``(index, start, stop)`` of the tiles a loop runs: all of ``_bounds(tokens, count)``; within
+    :func:`distinct_tiles_only`, the first two and the first of each further size.
+
+    >>> with distinct_tiles_only():
+    ...     _tiles(14, 5)
+    [(0, 0, 3), (1, 3, 6), (4, 12, 14)]
+    """
+    bounds = _bounds(tokens, count)
+    sizes = [stop - start for start, stop in bounds]
+    return [
+        (index, start, stop)
+        for index, (start, stop) in enumerate(bounds)
+        if not _DISTINCT_TILES_ONLY or index < 2 or sizes[index] != sizes[index - 1]
+    ]
 
 
 def _bounds(tokens: int, tiles: int) -> list[tuple[int, int]]:

@@ -234,6 +234,8 @@ SHIPPED = {
     "llama3_8b_64k_lora.toml": (65536, 1),
     "llama3_8b_1m_sp8.toml": (1048576, 8),
     "llama3_8b_512k_1gpu.toml": (524288, 1),
+    "llama3_8b_1m_1gpu.toml": (1048576, 1),
+    "llama3_8b_2m_h200.toml": (2097152, 1),
 }
 
 

@@ -66,6 +66,41 @@ def test_the_simulated_rank_of_a_sequence_parallel_group_is_the_counted_real_ran
         assert simulated == pytest.approx(real, rel=0.02), (length, measured)
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["training.sequence_tiling='layer'"],
+        ["training.sequence_tiling='mlp'", "training.offload_activations=true"],
+    ],
+    ids=["tiled layer", "tiled MLP, offload"],
+)
+def test_running_only_the_distinct_tiles_counts_what_running_every_tile_counts(monkeypatch, overrides):
+    """7 tiles of 1000 tokens (6 of 143, one of 142), FlashAttention 2's stand-in: every part at the peak, each
+    part's own peak and the host memory equal in bytes, with 3 tiles of each loop run instead of 7."""
+    from longalign.patch import tiled_layer, tiled_mlp
+
+    one_layer = "model.init_from_config.num_hidden_layers=1"
+    cfg = load_config(DEMO, [*CHECKPOINTING, one_layer, "training.mlp_tile_tokens=150", *overrides])
+    ran: list[int] = []  # tiles run per loop
+    original = tiled_mlp._tiles
+
+    def tiles(tokens: int, count: int) -> list[tuple[int, int, int]]:
+        run = original(tokens, count)
+        ran.append(len(run))
+        return run
+
+    for module in (tiled_mlp, tiled_layer):
+        monkeypatch.setattr(module, "_tiles", tiles)
+    counted = {}
+    for every_tile in (False, True):
+        ran.clear()
+        (row,) = simulate_lengths(cfg, [1000], Setup(kernel="flash_attn_2", every_tile=every_tile))
+        counted[every_tile] = ({k: v for k, v in row.items() if k != "seconds"}, sum(ran))
+    (distinct, ran_distinct), (every, ran_every) = counted[False], counted[True]
+    assert distinct == every
+    assert ran_distinct * 7 == ran_every * 3
+
+
 def test_the_kernel_stand_ins_allocate_what_the_kernels_sources_allocate():
     """FA2's mha_varlen_bwd at Llama-3.1-8B's heads (32 query, 8 key/value of 128) for 1000 tokens in 3
     samples: softmax_d, dq_accum (float32, 128 padding rows per sample) and dk/dv expanded to 32 heads."""

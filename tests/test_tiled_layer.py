@@ -74,6 +74,37 @@ def test_every_family_s_tiled_layers_give_the_untiled_output_and_gradients(varia
     assert len(seen) == (3 * runs + 1) * tiles and max(seen) <= TILE_TOKENS
 
 
+def test_the_kernel_runs_once_per_key_value_head_and_every_norm_in_tiles(monkeypatch):
+    """The attention kernel gets one key/value head and its query heads per call (2 and 1 of TINY's 4 and 2), in
+    forward and in backward's recompute of each group; every norm, the final one's included, sees one tile.
+    Output and gradients as untiled (float64); the trainer's step with these layers is checked below."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from longalign import attention
+
+    heads, norm_tokens = [], []
+    kernel, norm = attention._BACKEND_FUNCTIONS["sdpa_segments"], LlamaRMSNorm.forward
+
+    def recorded_kernel(q, k, v, *args):
+        heads.append((q.shape[1], k.shape[1], v.shape[1]))
+        return kernel(q, k, v, *args)
+
+    def recorded_norm(module, x):
+        norm_tokens.append(x.shape[-2])
+        return norm(module, x)
+
+    dense = tiny_model("llama", backend="sdpa_segments").double()
+    want = loss_and_gradients(dense)
+    monkeypatch.setitem(attention._BACKEND_FUNCTIONS, "sdpa_segments", recorded_kernel)
+    monkeypatch.setattr(LlamaRMSNorm, "forward", recorded_norm)
+    got = loss_and_gradients(tiled_model("llama"))
+
+    assert_relatively_close(got, want, FLOAT64_BOUND)
+    groups, layers = TINY["num_key_value_heads"], TINY["num_hidden_layers"]
+    assert heads == [(2, 1, 1)] * (2 * groups * layers)  # forward, then each group again in backward
+    assert norm_tokens and max(norm_tokens) <= TILE_TOKENS
+
+
 def test_a_tiled_layer_keeps_for_backward_only_whole_tensors_of_the_residual_and_attention():
     """Untiled, backward needs the norms' outputs and the MLP's ``[tokens, intermediate]`` tensors; tiled, the
     layer keeps its input, RoPE's angles and what attention keeps (q, k, v, its output)."""
