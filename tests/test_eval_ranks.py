@@ -37,7 +37,7 @@ def test_two_ranks_give_the_same_results_as_one_process(tmp_path):
 @needs_launcher
 def test_ruler_on_two_ranks_gives_the_same_results_as_one_process(tmp_path):
     save_tiny_model(tmp_path / "model", max_position_embeddings=1024)
-    grid = ["--model", str(tmp_path / "model"), "--lengths", "450", "--samples-per-task", "2",
+    grid = ["--model", str(tmp_path / "model"), "--lengths", "900", "--samples-per-task", "2",
             "--tasks", "niah_single_1,vt,fwe"]  # fmt: skip
     assert main(["eval", "ruler", *grid, "--output", str(tmp_path / "one")]) == 0
     done = launch("-m", "longalign", "eval", "ruler", *grid, "--output", str(tmp_path / "two"), timeout=600)
