@@ -7,8 +7,9 @@ chat), and is exactly ``length`` tokens, chat template included::
                                           ^ needle_start: the sentence boundary nearest depth% of the haystack
 
 The haystack is sentences, each encoded once to count them, cut to the count that makes up ``length``;
-the whole chat is then encoded in one pass, and the cut moves by the few tokens that merge at its edges. By default each prompt hides its own random key and 7-digit value
-("The special magic number for amber-otter is 4812397."), so no answer can be learned by heart.
+the whole chat is then encoded in one pass, and the cut moves by the few tokens that merge at its edges.
+By default each prompt hides its own random key and 7-digit value ("The special magic number for
+amber-otter is 4812397."), so no answer can be learned by heart.
 
     cases = build_cases(tokenizer, haystack_pool(tokenizer, None, seed=0),
                         lengths=[1000, 4000], depths=[0, 50, 100], samples=2, seed=0)
