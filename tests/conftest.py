@@ -355,16 +355,23 @@ def demo_overrides(output_dir: Path, train_file: Path | str) -> list[str]:
     ]
 
 
+def demo_train_arguments(
+    tokenized: Path, output_dir: Path, *overrides: str, max_seq_len: int = 1024
+) -> list[str]:
+    """train.py's arguments: the demo config on ``tokenized`` data, logging and saving every few steps."""
+    return [
+        "--config", str(DEMO), *demo_overrides(output_dir, tokenized), f"data.max_seq_len={max_seq_len}",
+        "training.logging_steps=1", "training.save_steps=2", "training.eval_strategy='no'",
+        "training.disable_tqdm=true", *overrides,
+    ]  # fmt: skip
+
+
 def train_demo(
     tokenized: Path, output_dir: Path, *overrides: str, status: int = 0, max_seq_len: int = 1024
 ) -> subprocess.CompletedProcess:
-    """``python train.py`` with the demo config on ``tokenized`` data, logging and saving every few steps."""
-    cmd = [
-        sys.executable, str(ROOT / "train.py"), "--config", str(DEMO), *demo_overrides(output_dir, tokenized),
-        f"data.max_seq_len={max_seq_len}", "training.logging_steps=1", "training.save_steps=2",
-        "training.eval_strategy='no'", "training.disable_tqdm=true", *overrides,
-    ]  # fmt: skip
-    result = run_process(cmd, timeout=600, cwd=ROOT)
+    """``python train.py`` with :func:`demo_train_arguments`, in a process of its own."""
+    arguments = demo_train_arguments(tokenized, output_dir, *overrides, max_seq_len=max_seq_len)
+    result = run_process([sys.executable, str(ROOT / "train.py"), *arguments], timeout=600, cwd=ROOT)
     assert result.returncode == status, result.stderr[-4000:]
     return result
 

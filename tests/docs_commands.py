@@ -15,7 +15,9 @@ How a page shows a command (docs/contributing.md says the same for writers of pa
 
   ``# needs a GPU``, ``# needs the network`` and ``# needs a hosted model`` (each with an optional
   ``: why``) say why the command cannot run in the tests; ``# exits N`` shows a command failing on
-  purpose: it runs and must exit with status N. Any other comment is a comment.
+  purpose: it runs and must exit with status N; ``# run by tests/NAME.py`` (with an optional ``: how``)
+  says that test file reads the command from the page and runs it, checking what it prints, so this test
+  does not run it again. Any other comment is a comment.
 - Installing needs the network (PyPI): a step of a ``&&`` chain that makes a virtual environment or runs
   ``pip install`` is not run, the suite runs in the environment such steps make; the chain's other steps are.
 - The test command, which ``.ci/run`` holds verbatim, is run by CI.
@@ -43,6 +45,7 @@ NEEDS = ("a GPU", "the network", "a hosted model")  # why a command cannot run i
 _FENCE = re.compile(r"^(?P<indent> *)(?P<fence>```+|~~~+)(?P<info>.*)$")
 _NEEDS = re.compile(r"^needs (?P<kind>" + "|".join(map(re.escape, NEEDS)) + r")(?::\s*(?P<why>.+))?$")
 _EXITS = re.compile(r"^exits (?P<status>\d+)\b")
+_RUN_BY = re.compile(r"^run by (?P<test>tests/[\w/]+\.py)(?::|$)")
 _SHELL_SYNTAX = set("|;<>$`(){}*?~")  # outside quotes: the step needs a shell, not an argv
 
 
@@ -71,6 +74,12 @@ class Command:
         if not found:
             return None
         return found["kind"] + (f": {found['why']}" if found["why"] else "")
+
+    @property
+    def run_by(self) -> str | None:
+        """The test file that runs the command (``"tests/test_probe.py"``), or None."""
+        found = _RUN_BY.match(self.comment)
+        return found["test"] if found else None
 
     @property
     def expected_status(self) -> int:

@@ -126,6 +126,8 @@ class Plan:
 def plan(command: Command) -> Plan:
     if command.needs:
         return Plan(command, [], f"needs {command.needs}")
+    if command.run_by:
+        return Plan(command, [], f"run by {command.run_by}, which reads it from the page")
     if command.text == ci_command():
         return Plan(command, [], "the test command: .ci/run runs it verbatim")
     chain = [step for step in steps(command.text) if needs_shell(step) or not is_install(argv(step)[1])]
@@ -211,6 +213,9 @@ def test_a_marker_is_read_only_in_its_own_words():
     )
     assert command("needs a GPU cluster").needs is None  # not one of the reasons: a comment
     assert command("needs GPU").needs is None and command("exits two").expected_status == 0
+    assert command("run by tests/test_probe.py: at 4k").run_by == "tests/test_probe.py"
+    assert command("run by the probe test").run_by is None  # names no test file: a comment
+    assert plan(command("run by tests/test_probe.py")).why_not.startswith("run by tests/test_probe.py")
     assert plan(command("needs a hosted model")).why_not == "needs a hosted model"
     assert (
         plan(Command("p.md", 1, "pip install -e '.[flash]'")).why_not
@@ -234,6 +239,9 @@ def test_every_block_has_a_language_and_every_marker_a_known_reason(request):
         for command in commands_in(path.read_text(encoding="utf-8"), name):
             if command.comment.startswith("needs") and not command.needs:
                 bad.append(f"{command.where}: '# {command.comment}': a marker says needs {' / '.join(NEEDS)}")
+            runner = command.run_by and ROOT / command.run_by
+            if runner and not (runner.exists() and name in runner.read_text(encoding="utf-8")):
+                bad.append(f"{command.where}: {command.run_by} does not read {name}, so nothing runs it")
             found = plan(command)
             for step in found.run:
                 first = Path(argv(step)[1][0]).name if not needs_shell(step) else "bash"
@@ -332,7 +340,7 @@ def report(plans: list[Plan], results: dict[str, tuple[int, float]] | None) -> s
     for p in marked:
         kind = p.why_not.split(":")[0]
         kinds[kind] = kinds.get(kind, 0) + 1
-    counts = f"{len(marked)} marked, {len(unmarked)} installs or the test command"
+    counts = f"{len(marked)} marked, {len(unmarked)} installs, the test command or run by other tests"
     if results is None:
         lines = [
             f"{len(plans)} commands in README.md and docs/ ({len(distinct)} distinct): "
@@ -355,7 +363,7 @@ def report(plans: list[Plan], results: dict[str, tuple[int, float]] | None) -> s
             )
     lines.append(f"marked {len(marked)} (" + ", ".join(f"{n} {kind}" for kind, n in kinds.items()) + "):")
     lines += [f"  {where(p)}: {p.why_not}\n      {shown(p.command.text)}" for p in marked]
-    lines.append(f"not run, installs or the test command {len(unmarked)}:")
+    lines.append(f"not run here, installs, the test command or run by other tests {len(unmarked)}:")
     lines += [f"  {where(p)}: {p.why_not}\n      {shown(p.command.text)}" for p in unmarked]
     return "\n".join(lines)
 

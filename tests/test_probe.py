@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from conftest import DEMO, ROOT, run_process
+from docs_commands import argv, commands_in
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -390,25 +391,32 @@ def test_compare_full_shows_what_adapters_save(tmp_path):
     assert result.returncode == 2 and "--compare-full: the run has no [lora] section" in result.stderr
 
 
-# An MLP 64 times wider than the model: its [tokens, 2048] tensors in the recomputed layer are most of
-# the memory per token, which the tiled MLP removes. A 2048-token window: the synthetic samples, capped
-# at it, keep attention linear in the tokens and the steps short.
-WIDE_MLP = (
-    "model.init_from_config={model_type='llama', vocab_size=4096, hidden_size=32, intermediate_size=2048, "
-    "num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, "
-    "tie_word_embeddings=false}"
-)
+# The page's two plan commands (checkpointing alone, and with the tiled MLP), on a model whose MLP is 64 times
+# wider than the model: its [tokens, 2048] tensors in the recomputed layer are most of the memory per
+# token, which the tiled MLP removes. A 2048-token window: the synthetic samples, capped at it, keep
+# attention linear in the tokens and the steps short. The page marks them run here, not by test_docs.py.
+LONG_CONTEXT = "docs/training/long-context.md"
+PLAN_COMMANDS = [
+    command
+    for command in commands_in((ROOT / LONG_CONTEXT).read_text(encoding="utf-8"), LONG_CONTEXT)
+    if command.run_by == "tests/test_probe.py"
+]
+
+
+def test_the_page_shows_both_plan_commands():
+    assert ["tiled_mlp=true" in command.text for command in PLAN_COMMANDS] == [False, True]
 
 
 @pytest.mark.integration
 @pytest.mark.parametrize(
-    "mlp", ["training.tiled_mlp=false", "training.tiled_mlp=true"], ids=["plain", "tiled"]
+    "command", PLAN_COMMANDS, ids=lambda command: "tiled" if "tiled_mlp=true" in command.text else "plain"
 )
-def test_the_plan_from_4k_and_8k_predicts_the_peak_measured_at_16k(tmp_path, mlp):
-    result, report = probe(
-        tmp_path, "plan", "--lengths", "4k,8k,16k", "--plan", "16k,32k", "--gpu-memory", "3GiB", WIDE_MLP,
-        "training.activation_checkpointing=true", mlp,
-    )  # fmt: skip
+def test_the_pages_plan_from_4k_and_8k_predicts_the_peak_measured_at_16k(tmp_path, command):
+    env, words = argv(command.text)
+    assert env == {"OMP_NUM_THREADS": "1"} and words[:2] == ["python", "scripts/probe_memory.py"]
+    assert "--gpu-memory" in words and "training.activation_checkpointing=true" in words
+    # Half the page's lengths (the last --lengths and --plan given win).
+    result, report = probe(tmp_path, "plan", *words[2:], "--lengths", "4k,8k,16k", "--plan", "16k,32k")
     assert result.returncode == 0, result.stdout + result.stderr
     at_16k, at_32k = report["plan"]
     assert at_16k["from"] == [4096, 8192] and at_32k["from"] == [8192, 16384]

@@ -17,10 +17,7 @@ from conftest import (
     SAMPLE,
     TOKENIZER,
     count_packs,
-    demo_overrides,
-    launch,
     needs_deepspeed,
-    needs_launcher,
     packed_logits_error,
     save_packs,
     tiny_model,
@@ -101,26 +98,6 @@ def test_the_model_is_tiled_and_offloaded_as_the_config_says():
 def test_model_dtype_is_resolved_once_from_the_config():
     assert model_dtype(load_config(DEMO)) == torch.float32  # a random model: float32
     assert model_dtype(load_config(DEMO, ["model.torch_dtype='bfloat16'"])) == torch.bfloat16
-
-
-@pytest.mark.integration
-@needs_launcher
-def test_two_rank_runs_exit_every_time(tmp_path):
-    """The DDP wrapper is freed before the process group: two-rank runs in a row exit on their own.
-
-    Before, 3 of 20 such runs hung at exit; every two-rank launch of the suite (a few dozen, each with its
-    own timeout) would catch that again with the rest, so two runs here are the named check of it.
-    """
-    packs = save_packs(tmp_path / "packs", count_packs([[40, 20], [30], [50, 10], [25, 25]]))
-    for run in range(2):
-        result = launch(
-            DEMO.parent.parent / "train.py", "--config", str(DEMO),
-            *demo_overrides(tmp_path / f"run{run}", packs), "training.max_steps=1",
-            "training.save_strategy='no'", "training.disable_tqdm=true", "data.eval_file=''",
-            timeout=120,
-        )  # fmt: skip
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert (tmp_path / f"run{run}" / "trainer_state.json").exists()
 
 
 # --- sequence parallelism: refused before any work ------------------------------------------------------
