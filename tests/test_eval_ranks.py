@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from conftest import launch, needs_launcher, save_tiny_model
@@ -18,32 +19,33 @@ def test_one_process_works_on_everything_in_order():
 @pytest.mark.integration
 @needs_launcher
 def test_two_ranks_give_the_same_results_as_one_process(tmp_path):
+    """The needle grid, then RULER, on two ranks of one launch: each rank works on its share, rank 0 alone
+    reports and writes, and the results are one process's, in its order."""
     save_tiny_model(tmp_path / "model", max_position_embeddings=1024)
-    grid = ["--model", str(tmp_path / "model"), "--lengths", "150,300", "--depths", "0,50,100",
-            "--max-new-tokens", "4"]  # fmt: skip
-    assert main(["eval", "needle", *grid, "--output", str(tmp_path / "one")]) == 0
-    done = launch("-m", "longalign", "eval", "needle", *grid, "--output", str(tmp_path / "two"), timeout=600)
+    model = ["--model", str(tmp_path / "model")]
+    needle = [*model, "--lengths", "150,300", "--depths", "0,100", "--max-new-tokens", "4"]
+    ruler = [*model, "--lengths", "900", "--samples-per-task", "2", "--tasks", "niah_single_1,vt,fwe"]
+    assert main(["eval", "needle", *needle, "--output", str(tmp_path / "one" / "needle")]) == 0
+    assert main(["eval", "ruler", *ruler, "--output", str(tmp_path / "one" / "ruler")]) == 0
+    done = launch(
+        Path(__file__).parent / "eval_ranks_run.py",
+        "eval", "needle", *needle, "--output", str(tmp_path / "two" / "needle"), "--",
+        "eval", "ruler", *ruler, "--output", str(tmp_path / "two" / "ruler"), timeout=600,
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("needle: 6 prompts") == 1  # rank 0 alone reports and writes
-    assert "| 3/3 [" in done.stderr and "| 6/6 [" not in done.stderr  # each rank's bar: its 3 prompts
-    one = (tmp_path / "one" / "results.jsonl").read_text().splitlines()
-    two = (tmp_path / "two" / "results.jsonl").read_text().splitlines()
-    assert [json.loads(line) for line in two] == [json.loads(line) for line in one]
-    assert [(r["length"], r["depth"]) for r in map(json.loads, two)] == [
-        (150, 0), (150, 50), (150, 100), (300, 0), (300, 50), (300, 100)]  # fmt: skip
-
-
-@pytest.mark.integration
-@needs_launcher
-def test_ruler_on_two_ranks_gives_the_same_results_as_one_process(tmp_path):
-    save_tiny_model(tmp_path / "model", max_position_embeddings=1024)
-    grid = ["--model", str(tmp_path / "model"), "--lengths", "900", "--samples-per-task", "2",
-            "--tasks", "niah_single_1,vt,fwe"]  # fmt: skip
-    assert main(["eval", "ruler", *grid, "--output", str(tmp_path / "one")]) == 0
-    done = launch("-m", "longalign", "eval", "ruler", *grid, "--output", str(tmp_path / "two"), timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("ruler: 6 prompts") == 1  # rank 0 alone reports and writes
-    one = (tmp_path / "one" / "results.jsonl").read_text().splitlines()
-    two = (tmp_path / "two" / "results.jsonl").read_text().splitlines()
-    assert [json.loads(line) for line in two] == [json.loads(line) for line in one]
-    assert [r["task"] for r in map(json.loads, two)] == ["niah_single_1"] * 2 + ["vt"] * 2 + ["fwe"] * 2
+    # rank 0 alone reports and writes; each rank's needle bar counts its 2 of the 4 prompts
+    assert done.stdout.count("needle: 4 prompts") == 1 and done.stdout.count("ruler: 6 prompts") == 1
+    assert "| 2/2 [" in done.stderr and "| 4/4 [" not in done.stderr
+    results = {}
+    for task in ("needle", "ruler"):
+        one = (tmp_path / "one" / task / "results.jsonl").read_text().splitlines()
+        two = (tmp_path / "two" / task / "results.jsonl").read_text().splitlines()
+        assert [json.loads(line) for line in two] == [json.loads(line) for line in one]
+        results[task] = [json.loads(line) for line in two]
+    assert [(r["length"], r["depth"]) for r in results["needle"]] == [
+        (150, 0),
+        (150, 100),
+        (300, 0),
+        (300, 100),
+    ]
+    assert [r["task"] for r in results["ruler"]] == ["niah_single_1"] * 2 + ["vt"] * 2 + ["fwe"] * 2
