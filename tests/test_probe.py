@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 from conftest import DEMO, ROOT, run_process
-from docs_commands import argv, commands_in
+from docs_commands import Command, argv, commands_in
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from longalign.arguments import parse_length, parse_lengths
 from longalign.batching import PackCollator
+from longalign.cli import main
 from longalign.config import load_config
 from longalign.probe import (
     STOPPED,
@@ -328,9 +329,36 @@ def probe(tmp_path: Path, name: str, *args: str) -> tuple[subprocess.CompletedPr
     return result, json.loads(output.read_text())
 
 
+def run_here(page: str) -> list[Command]:
+    """The commands of ``page`` (relative to the repository) that it marks run by this file."""
+    found = commands_in((ROOT / page).read_text(encoding="utf-8"), page)
+    return [command for command in found if command.run_by == "tests/test_probe.py"]
+
+
+def probe_arguments(command: Command) -> list[str]:
+    """The flags of a page's ``longalign probe`` or ``python scripts/probe_memory.py`` (the same flags)."""
+    env, words = argv(command.text)
+    assert words[:2] in (["longalign", "probe"], ["python", "scripts/probe_memory.py"]), command.text
+    assert set(env) <= {"OMP_NUM_THREADS"}, command.text  # probe() sets it
+    return words[2:]
+
+
+# docs/probe.md's two commands: a ladder under a memory cap, and a ladder with a plan.
+PROBE_PAGE = "docs/probe.md"
+
+
 @pytest.mark.integration
-def test_ladder_finds_a_fitting_length_and_stops_at_a_memory_cap(tmp_path):
-    result, report = probe(tmp_path, "free", "--lengths", "512,4k", "training.hub_token='hf_probe_secret'")
+def test_the_pages_ladders_find_a_fitting_length_and_stop_at_a_memory_cap(tmp_path):
+    capped, planned = run_here(PROBE_PAGE)
+    assert "--max-memory" in capped.text and "--plan" in planned.text
+    result, report = probe(
+        tmp_path,
+        "free",
+        *probe_arguments(planned),
+        "--lengths",
+        "512,4k",
+        "training.hub_token='hf_probe_secret'",
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "hf_probe_secret" not in (tmp_path / "free" / "probe.json").read_text()  # overrides are redacted
     assert [p.name for p in (tmp_path / "free").iterdir()] == ["probe.json"]  # the steps' files are gone
@@ -339,9 +367,14 @@ def test_ladder_finds_a_fitting_length_and_stops_at_a_memory_cap(tmp_path):
     assert small["status"] == large["status"] == FITS
     assert large["peak_bytes"] > small["peak_bytes"] > 0  # a fresh process per length: each peak its own
     assert small["step_seconds"] > 0 and small["samples_per_pack"] >= 1
+    assert "plan: peak per GPU on 1 GPU(s) of 2.00 GiB" in result.stdout
+    assert [row["from"] for row in report["plan"]] == [[512, 4096], [512, 4096]]
 
+    # The page's capped ladder at 512, 4k and 8k (the last --lengths and --max-memory given win).
     cap = (small["peak_bytes"] + large["peak_bytes"]) // 2  # room for 512 tokens, not for 4k
-    result, report = probe(tmp_path, "capped", "--lengths", "512,4k,8k", "--max-memory", str(cap))
+    result, report = probe(
+        tmp_path, "capped", *probe_arguments(capped), "--lengths", "512,4k,8k", "--max-memory", str(cap)
+    )
     assert result.returncode == 0  # the smallest length fits: the ladder has an answer
     out = result.stdout
     assert "largest length that fits: 512 (512 tokens per pack)" in out
@@ -371,7 +404,7 @@ def test_an_error_stops_the_ladder_in_one_line_with_the_trace_kept(tmp_path):
 
 
 @pytest.mark.integration
-def test_compare_full_shows_what_adapters_save(tmp_path):
+def test_compare_full_shows_what_adapters_save(tmp_path, capsys):
     # Big enough that weights, gradients and optimizer states stand out of the process's own memory.
     model = (
         "model.init_from_config={model_type='llama', vocab_size=4096, hidden_size=512, intermediate_size=1536, "
@@ -384,11 +417,8 @@ def test_compare_full_shows_what_adapters_save(tmp_path):
     assert entry["full"]["peak_bytes"] > entry["peak_bytes"] > 0  # each in a fresh process of its own
     assert "full FT peak" in result.stdout and "the adapters save" in result.stdout
     assert report["compare_full"] and "saved" in report["table"]
-    result = run_process(
-        [sys.executable, str(ROOT / "scripts" / "probe_memory.py"), "--config", str(DEMO), "--compare-full"],
-        timeout=300, cwd=ROOT,
-    )  # fmt: skip
-    assert result.returncode == 2 and "--compare-full: the run has no [lora] section" in result.stderr
+    assert main(["probe", "--config", str(DEMO), "--compare-full"]) == 2  # refused before any step
+    assert "--compare-full: the run has no [lora] section" in capsys.readouterr().err
 
 
 # The page's two plan commands (checkpointing alone, and with the tiled MLP), on a model whose MLP is 64 times
@@ -396,11 +426,7 @@ def test_compare_full_shows_what_adapters_save(tmp_path):
 # token, which the tiled MLP removes. A 2048-token window: the synthetic samples, capped at it, keep
 # attention linear in the tokens and the steps short. The page marks them run here, not by test_docs.py.
 LONG_CONTEXT = "docs/training/long-context.md"
-PLAN_COMMANDS = [
-    command
-    for command in commands_in((ROOT / LONG_CONTEXT).read_text(encoding="utf-8"), LONG_CONTEXT)
-    if command.run_by == "tests/test_probe.py"
-]
+PLAN_COMMANDS = run_here(LONG_CONTEXT)
 
 
 def test_the_page_shows_both_plan_commands():
@@ -412,11 +438,10 @@ def test_the_page_shows_both_plan_commands():
     "command", PLAN_COMMANDS, ids=lambda command: "tiled" if "tiled_mlp=true" in command.text else "plain"
 )
 def test_the_pages_plan_from_4k_and_8k_predicts_the_peak_measured_at_16k(tmp_path, command):
-    env, words = argv(command.text)
-    assert env == {"OMP_NUM_THREADS": "1"} and words[:2] == ["python", "scripts/probe_memory.py"]
+    words = probe_arguments(command)
     assert "--gpu-memory" in words and "training.activation_checkpointing=true" in words
     # Half the page's lengths (the last --lengths and --plan given win).
-    result, report = probe(tmp_path, "plan", *words[2:], "--lengths", "4k,8k,16k", "--plan", "16k,32k")
+    result, report = probe(tmp_path, "plan", *words, "--lengths", "4k,8k,16k", "--plan", "16k,32k")
     assert result.returncode == 0, result.stdout + result.stderr
     at_16k, at_32k = report["plan"]
     assert at_16k["from"] == [4096, 8192] and at_32k["from"] == [8192, 16384]
