@@ -31,6 +31,7 @@ from conftest import (
     run_process,
     save_packs,
 )
+from docs_commands import argv, commands_in
 
 from longalign.config import load_config
 from longalign.preflight import (
@@ -418,24 +419,38 @@ DEEPSPEED_NOT_IN_EFFECT = (
 )
 
 
+PREFLIGHT_PAGE = "docs/preflight.md"
+
+
+def page_launch(accelerate_config: str) -> list[str]:
+    """What follows ``accelerate launch --config_file configs/accelerate/<accelerate_config> --num_processes 2
+    --mixed_precision no`` in the launch docs/preflight.md shows and marks run by this file."""
+    found = commands_in((ROOT / PREFLIGHT_PAGE).read_text(encoding="utf-8"), PREFLIGHT_PAGE)
+    (command,) = [c for c in found if c.run_by == "tests/test_preflight.py"]
+    env, words = argv(command.text)
+    head = ["accelerate", "launch", "--config_file", f"configs/accelerate/{accelerate_config}",
+            "--num_processes", "2", "--mixed_precision", "no"]  # fmt: skip
+    assert not env and words[: len(head)] == head, command.text
+    return words[len(head) :]
+
+
 @pytest.mark.integration
 @needs_launcher
 @pytest.mark.parametrize(
-    "accelerate_config, env, asked",
+    "accelerate_config, args, env, asked",
     [
-        ("fsdp2.yaml", {}, FSDP_NOT_IN_EFFECT),  # FSDP needs a GPU-like device: accelerate runs DDP
+        # FSDP needs a GPU-like device: accelerate runs DDP. The page's own launch.
+        ("fsdp2.yaml", page_launch("fsdp2.yaml"), {}, FSDP_NOT_IN_EFFECT),
         pytest.param(  # the launcher's --cpu turns DeepSpeed off (run-file use_cpu alone does not)
-            "zero3.yaml", {"ACCELERATE_USE_CPU": "1"}, DEEPSPEED_NOT_IN_EFFECT, marks=needs_deepspeed
+            "zero3.yaml", ["-m", "longalign", "preflight", "--config", str(DEMO)], {"ACCELERATE_USE_CPU": "1"},
+            DEEPSPEED_NOT_IN_EFFECT, marks=needs_deepspeed,
         ),
     ],
     ids=["fsdp2", "zero3-cpu-launch"],
-)
-def test_a_sharding_config_that_is_not_in_effect_says_so(tmp_path, accelerate_config, env, asked):
+)  # fmt: skip
+def test_a_sharding_config_that_is_not_in_effect_says_so(tmp_path, accelerate_config, args, env, asked):
     packs = write_packs(tmp_path / "packs", PACKS)
-    result = launch_with_config(
-        accelerate_config, "-m", "longalign", "preflight", "--config", str(DEMO),
-        *demo_overrides(tmp_path / "run", packs), env=env,
-    )  # fmt: skip
+    result = launch_with_config(accelerate_config, *args, *demo_overrides(tmp_path / "run", packs), env=env)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]  # a warning, not a failure
     out = result.stdout
     row = ["warning", "all", "DDP over 2 CPU ranks on 1 node, find_unused_parameters false"]
