@@ -168,14 +168,18 @@ def test_tiled_mlps_and_offloaded_inputs_train_the_steps_of_checkpointing_alone(
     assert got == pytest.approx(want, rel=1e-5)
 
 
-def test_a_wrong_setting_before_training_is_one_line(tokenized_sample, tmp_path):
-    result = train_demo(tokenized_sample, tmp_path / "run", "loss.chunk_size=0", status=2)
-    assert result.stderr.strip().splitlines() == ["train.py: error: loss.chunk_size: must be >= 1, got 0"], (
-        result.stderr
+def test_a_wrong_setting_before_training_is_one_line(tokenized_sample, tmp_path, capsys):
+    # In this process, as the console command runs it (tests/test_cli.py runs train.py's own one-line error).
+    assert (
+        main(["train", *demo_train_arguments(tokenized_sample, tmp_path / "run", "loss.chunk_size=0")]) == 2
+    )
+    refusal = capsys.readouterr().err
+    assert refusal.strip().splitlines() == ["longalign train: error: loss.chunk_size: must be >= 1, got 0"], (
+        refusal
     )
 
 
-def test_the_longalign_skeleton_dry_runs_and_trains_on_raw_chats(tmp_path):
+def test_the_longalign_skeleton_dry_runs_and_trains_on_raw_chats(tmp_path, capsys):
     """The run file LongAlign / LongWriter users bring (packing and sort_by_length on, greedy packing), as
     written but for its paths and sizes, the demo's tiny random model, and a learning rate that moves it
     within 12 steps: the dry run shows what each key resolved to, and the run sorts, packs and learns."""
@@ -189,15 +193,13 @@ def test_the_longalign_skeleton_dry_runs_and_trains_on_raw_chats(tmp_path):
         "training.logging_steps=3", "training.save_strategy='no'", "training.learning_rate=3e-3",
         "model.model_name_or_path=''", f"model.init_from_config={model}", f"model.tokenizer={json.dumps(str(TOKENIZER))}",
     ]  # fmt: skip
-    planned = run_process([*command, "--dry-run"], timeout=600, cwd=ROOT)
-    assert planned.returncode == 0, planned.stderr[-4000:]
-    settings = {
-        line.split()[0]: line.split(maxsplit=2)[1:] for line in planned.stdout.splitlines()[1:] if line
-    }
+    assert main(["train", *command[2:], "--dry-run"]) == 0  # the dry run in this process: no training
+    planned = capsys.readouterr().out
+    settings = {line.split()[0]: line.split(maxsplit=2)[1:] for line in planned.splitlines()[1:] if line}
     assert settings["packing.strategy"] == ['"greedy"', str(skeleton)]
     assert settings["packing.sort_by_length"] == ["true", f"{skeleton} (as data.sort_by_length)"]
     assert settings["loss.weighting"] == ['"sequence_level"', f"{skeleton} (as loss.normalize_by_tokens)"]
-    assert "strategy       greedy" in planned.stdout and "not checked" not in planned.stdout
+    assert "strategy       greedy" in planned and "not checked" not in planned
 
     trained = run_process(command, timeout=600, cwd=ROOT)
     assert trained.returncode == 0, trained.stderr[-4000:]
