@@ -709,13 +709,16 @@ def test_the_output_pre_tokenizes_and_trains_as_a_train_file(tmp_path, docs, sam
     with OpenAIStub(scripted, key=KEY) as server:
         run_self_instruct(docs, out, server, sample_tokenizer, per_doc=3, turns=2)
     tokenized = tmp_path / "tokenized"
-    result = run_process(
-        [sys.executable, "-m", "longalign", "pre-tokenize", "--input", str(out), "--tokenizer", str(TOKENIZER),
-         "--output", str(tokenized), "--max-seq-len", "2048"],
-        timeout=300,
-        cwd=ROOT,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-2000:]
+    pre_tokenize = [
+        "pre-tokenize",
+        "--input",
+        str(out),
+        "--tokenizer",
+        str(TOKENIZER),
+        "--output",
+        str(tokenized),
+    ]
+    assert main([*pre_tokenize, "--max-seq-len", "2048"]) == 0
     report = json.loads((tokenized / "report.json").read_text())
     assert (report["lines_read"], report["samples_kept"]) == (6, 6), report
     run = train_demo(out, tmp_path / "run", "training.max_steps=2", max_seq_len=2048)
