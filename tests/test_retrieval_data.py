@@ -51,24 +51,21 @@ def test_the_needles_are_drawn_as_the_needle_grid_draws_them():
 
 
 @pytest.mark.integration
-def test_the_same_seed_writes_the_same_file_and_another_seed_another(tmp_path):
-    def written(name: str, *args: str) -> bytes:
+def test_the_same_seed_writes_the_same_file_and_another_seed_another(tmp_path, monkeypatch):
+    script = ROOT / "scripts" / "make_retrieval_data.py"
+
+    def written(name: str, *args: str, process: bool = False) -> bytes:
         out = tmp_path / name
-        result = run_process(
-            [
-                sys.executable,
-                str(ROOT / "scripts" / "make_retrieval_data.py"),
-                "--output",
-                str(out),
-                "--count",
-                "50",
-                *args,
-            ],
-            timeout=120,
-        )
-        assert result.returncode == 0, result.stderr
+        argv = [str(script), "--output", str(out), "--count", "50", *args]
+        if process:  # another process draws its string hashes with another seed
+            result = run_process([sys.executable, *argv], timeout=120)
+            assert result.returncode == 0, result.stderr
+        else:
+            monkeypatch.setattr(sys, "argv", argv)
+            make.main()
         return out.read_bytes()
 
-    first, again, other = written("a.jsonl"), written("b.jsonl"), written("c.jsonl", "--seed", "1")
+    first, again = written("a.jsonl"), written("b.jsonl", process=True)
+    other = written("c.jsonl", "--seed", "1")
     assert first == again != other
     assert [json.loads(line)["messages"][1]["role"] for line in first.splitlines()] == ["assistant"] * 50
