@@ -437,13 +437,13 @@ def test_the_page_shows_both_plan_commands():
 @pytest.mark.parametrize(
     "command", PLAN_COMMANDS, ids=lambda command: "tiled" if "tiled_mlp=true" in command.text else "plain"
 )
-def test_the_pages_plan_from_4k_and_8k_predicts_the_peak_measured_at_16k(tmp_path, command):
+def test_the_pages_plan_from_2k_and_4k_predicts_the_peak_measured_at_8k(tmp_path, command):
     words = probe_arguments(command)
     assert "--gpu-memory" in words and "training.activation_checkpointing=true" in words
-    # Half the page's lengths (the last --lengths and --plan given win).
-    result, report = probe(tmp_path, "plan", *words, "--lengths", "4k,8k,16k", "--plan", "16k,32k")
+    # A quarter of the page's lengths (the last --lengths and --plan given win).
+    result, report = probe(tmp_path, "plan", *words, "--lengths", "2k,4k,8k", "--plan", "8k,16k")
     assert result.returncode == 0, result.stdout + result.stderr
-    at_16k, at_32k = report["plan"]
-    assert at_16k["from"] == [4096, 8192] and at_32k["from"] == [8192, 16384]
-    assert abs(at_16k["peak"] / at_16k["measured"] - 1) < 0.10, result.stdout
+    at_8k, at_16k = report["plan"]
+    assert at_8k["from"] == [2048, 4096] and at_16k["from"] == [4096, 8192]
+    assert abs(at_8k["peak"] / at_8k["measured"] - 1) < 0.10, result.stdout
     assert "plan: peak per GPU on 1 GPU(s) of 3.00 GiB" in result.stdout
