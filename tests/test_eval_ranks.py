@@ -6,10 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 from conftest import launch, needs_launcher, save_tiny_model
 
 from longalign.cli import main
-from longalign.eval.ranks import across_ranks
+from longalign.eval.ranks import _leave_group, across_ranks
 
 
 def test_one_process_works_on_everything_in_order():
@@ -49,3 +50,13 @@ def test_two_ranks_give_the_same_results_as_one_process(tmp_path):
         (300, 100),
     ]
     assert [r["task"] for r in results["ruler"]] == ["niah_single_1"] * 2 + ["vt"] * 2 + ["fwe"] * 2
+
+
+def test_a_rank_leaves_its_process_group_before_the_interpreter_shuts_down(tmp_path):
+    """What ``leave_group_at_exit`` runs as the process ends: the group is destroyed, and again is a no-op."""
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    assert across_ranks([1, 2, 3], lambda mine: [x * 10 for x in mine]) == [10, 20, 30]
+    _leave_group()
+    assert not dist.is_initialized()
+    _leave_group()  # no group: nothing to do

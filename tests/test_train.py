@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
 import tomllib
 import torch
+import transformers
 from conftest import (
     DEMO,
     ROOT,
@@ -23,6 +25,7 @@ from conftest import (
 )
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from longalign import errors
 from longalign.cli import main
 
 pytestmark = pytest.mark.integration
@@ -117,41 +120,31 @@ def test_the_longalign_recipe_trains_on_raw_chats_on_two_ranks(tmp_path):
 
 
 # Runs train.py's entry point after making the model's forward raise at the second optimizer step.
-_FAILING_FORWARD = """
-import sys
-import transformers
-from longalign import cli, errors
+@pytest.mark.parametrize("error", [ValueError, errors.ConfigError])
+def test_an_error_once_training_runs_keeps_its_traceback(tokenized_sample, tmp_path, error, monkeypatch, capsys):
+    """An error raised mid-run leaves ``longalign train`` with its traceback (Python prints it as the process
+    ends), never as a one-line wrong setting; the user-input class says at which step the run stopped."""
+    forward, calls = transformers.LlamaForCausalLM.forward, []
 
-forward, calls = transformers.LlamaForCausalLM.forward, []
+    def failing(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise error("deep inside the forward at step 2")
+        return forward(self, *args, **kwargs)
 
-def failing(self, *args, **kwargs):
-    calls.append(1)
-    if len(calls) == 2:
-        raise {error}("deep inside the forward at step 2")
-    return forward(self, *args, **kwargs)
-
-transformers.LlamaForCausalLM.forward = failing
-sys.exit(cli.main(sys.argv[1:]))
-"""
-
-
-@pytest.mark.parametrize("error", ["ValueError", "errors.ConfigError"])
-def test_an_error_once_training_runs_keeps_its_traceback(tokenized_sample, tmp_path, error):
-    from conftest import demo_overrides, run_process
-
-    cmd = [
-        sys.executable, "-c", _FAILING_FORWARD.format(error=error), "train", "--config", str(DEMO),
-        *demo_overrides(tmp_path / "run", tokenized_sample), "training.max_steps=3",
-        "training.disable_tqdm=true", "training.eval_strategy='no'",
-    ]  # fmt: skip
-    result = run_process(cmd, timeout=600, cwd=ROOT)
-    assert result.returncode == 1, result.stderr[-3000:]
-    assert "Traceback (most recent call last)" in result.stderr
-    assert "deep inside the forward at step 2" in result.stderr
-    assert ", in failing\n" in result.stderr  # the frame that raised is shown
-    assert "longalign train: error:" not in result.stderr  # not reported as a wrong setting
-    if error != "ValueError":  # the user-input class, raised mid-run, says where the run stopped
-        assert "RuntimeError: training stopped at step 1: deep inside the forward" in result.stderr
+    monkeypatch.setattr(transformers.LlamaForCausalLM, "forward", failing)
+    arguments = demo_train_arguments(tokenized_sample, tmp_path / "run", "training.max_steps=3")
+    with pytest.raises(Exception) as raised:
+        main(["train", *arguments])  # in this process, as the console command runs it
+    shown = "".join(traceback.format_exception(raised.value))
+    assert "deep inside the forward at step 2" in shown
+    assert ", in failing\n" in shown  # the frame that raised is kept
+    assert "longalign train: error:" not in capsys.readouterr().err  # not reported as a wrong setting
+    if error is ValueError:
+        assert raised.type is ValueError
+    else:  # the user-input class, raised mid-run, says where the run stopped
+        assert raised.type is RuntimeError
+        assert "RuntimeError: training stopped at step 1: deep inside the forward" in shown
 
 
 def test_tiled_mlps_and_offloaded_inputs_train_the_steps_of_checkpointing_alone(tokenized_sample, tmp_path):

@@ -269,11 +269,14 @@ class Session:
         from accelerate import PartialState
 
         from longalign.eval.models import load_model
+        from longalign.eval.ranks import leave_group_at_exit
 
+        state = PartialState()  # joins the launch's process group, if any
+        leave_group_at_exit()
         return load_model(
             self.args.model,
             dtype=self.args.dtype,
-            device=PartialState().device,
+            device=state.device,
             packed=packed,
             attn_backend=attn_backend,
             trust_remote_code=self.args.trust_remote_code,

@@ -9,6 +9,8 @@ One process (no launcher) works on everything.
 
 from __future__ import annotations
 
+import atexit
+import gc
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -22,6 +24,23 @@ def rank_and_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def leave_group_at_exit() -> None:
+    """Leave the launch's process group when this process ends, once, after every command it ran.
+
+    A gloo group still joined when the interpreter shuts down is torn down with its worker thread still
+    running, and that rank may abort at exit ("terminate called without an active exception") after its
+    work was done and written.
+    """
+    atexit.unregister(_leave_group)
+    atexit.register(_leave_group)
+
+
+def _leave_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        gc.collect()
+        dist.destroy_process_group()
 
 
 def across_ranks(
