@@ -121,7 +121,9 @@ def test_the_longalign_recipe_trains_on_raw_chats_on_two_ranks(tmp_path):
 
 # Runs train.py's entry point after making the model's forward raise at the second optimizer step.
 @pytest.mark.parametrize("error", [ValueError, errors.ConfigError])
-def test_an_error_once_training_runs_keeps_its_traceback(tokenized_sample, tmp_path, error, monkeypatch, capsys):
+def test_an_error_once_training_runs_keeps_its_traceback(
+    tokenized_sample, tmp_path, error, monkeypatch, capsys
+):
     """An error raised mid-run leaves ``longalign train`` with its traceback (Python prints it as the process
     ends), never as a one-line wrong setting; the user-input class says at which step the run stopped."""
     forward, calls = transformers.LlamaForCausalLM.forward, []
