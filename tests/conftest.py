@@ -368,12 +368,13 @@ def demo_train_arguments(
 
 def train_demo(
     tokenized: Path, output_dir: Path, *overrides: str, status: int = 0, max_seq_len: int = 1024
-) -> subprocess.CompletedProcess:
-    """``python train.py`` with :func:`demo_train_arguments`, in a process of its own."""
+) -> None:
+    """``longalign train`` with :func:`demo_train_arguments`, in this process, as the console command runs it
+    (tests/test_cli.py runs ``train.py`` as a process); what it prints goes to the test's ``capsys``."""
+    from longalign.cli import main
+
     arguments = demo_train_arguments(tokenized, output_dir, *overrides, max_seq_len=max_seq_len)
-    result = run_process([sys.executable, str(ROOT / "train.py"), *arguments], timeout=600, cwd=ROOT)
-    assert result.returncode == status, result.stderr[-4000:]
-    return result
+    assert main(["train", *arguments]) == status
 
 
 def step_losses(output_dir: Path) -> dict[int, float]:

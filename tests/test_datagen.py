@@ -704,7 +704,7 @@ def test_a_run_killed_after_submitting_a_batch_polls_that_batch_again_on_restart
 
 
 @pytest.mark.integration
-def test_the_output_pre_tokenizes_and_trains_as_a_train_file(tmp_path, docs, sample_tokenizer):
+def test_the_output_pre_tokenizes_and_trains_as_a_train_file(tmp_path, docs, sample_tokenizer, capsys):
     out = tmp_path / "gen"
     with OpenAIStub(scripted, key=KEY) as server:
         run_self_instruct(docs, out, server, sample_tokenizer, per_doc=3, turns=2)
@@ -721,8 +721,9 @@ def test_the_output_pre_tokenizes_and_trains_as_a_train_file(tmp_path, docs, sam
     assert main([*pre_tokenize, "--max-seq-len", "2048"]) == 0
     report = json.loads((tokenized / "report.json").read_text())
     assert (report["lines_read"], report["samples_kept"]) == (6, 6), report
-    run = train_demo(out, tmp_path / "run", "training.max_steps=2", max_seq_len=2048)
-    assert "train_loss" in run.stdout + run.stderr
+    train_demo(out, tmp_path / "run", "training.max_steps=2", max_seq_len=2048)
+    printed = capsys.readouterr()
+    assert "train_loss" in printed.out + printed.err
 
 
 def test_agentwrite_from_the_command_line(tmp_path, capsys):

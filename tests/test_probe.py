@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import DEMO, ROOT, run_process
+from conftest import DEMO, ROOT
 from docs_commands import Command, argv, commands_in
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -312,21 +312,27 @@ def test_the_plan_adds_the_fitted_growth_to_the_states_of_the_planned_gpus():
     assert text[3].endswith("yes, 872.00 MiB left") and text[4].endswith("over")
 
 
-def probe(tmp_path: Path, name: str, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
-    output = tmp_path / name / "probe.json"
-    cmd = [
-        sys.executable,
-        str(ROOT / "scripts" / "probe_memory.py"),
-        "--config",
-        str(DEMO),
-        "--output",
-        str(output),
-        *args,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # a tiny model: threads only contend
-    result = run_process(cmd, timeout=600, cwd=ROOT, env=env)
-    assert "Traceback" not in result.stdout + result.stderr
-    return result, json.loads(output.read_text())
+@pytest.fixture
+def probe(tmp_path, capsys, monkeypatch):
+    """``longalign probe --config configs/demo.toml --output TMP/NAME/probe.json ARGS`` in this process, as the
+    console command runs it (each length's step still in a process of its own): what it returned and
+    printed, and the report it wrote."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the steps' processes: a tiny model, threads only contend
+    monkeypatch.chdir(ROOT)  # the pages' paths are relative to the repository
+    on_sigterm = signal.getsignal(signal.SIGTERM)  # the probe ends its step on SIGTERM; given back after
+
+    def run(name: str, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+        output = tmp_path / name / "probe.json"
+        argv = ["probe", "--config", str(DEMO), "--output", str(output), *args]
+        code = main(argv)
+        printed = capsys.readouterr()
+        assert "Traceback" not in printed.out + printed.err
+        return subprocess.CompletedProcess(argv, code, printed.out, printed.err), json.loads(
+            output.read_text()
+        )
+
+    yield run
+    signal.signal(signal.SIGTERM, on_sigterm)
 
 
 def run_here(page: str) -> list[Command]:
@@ -348,11 +354,10 @@ PROBE_PAGE = "docs/probe.md"
 
 
 @pytest.mark.integration
-def test_the_pages_ladders_find_a_fitting_length_and_stop_at_a_memory_cap(tmp_path):
+def test_the_pages_ladders_find_a_fitting_length_and_stop_at_a_memory_cap(tmp_path, probe):
     capped, planned = run_here(PROBE_PAGE)
     assert "--max-memory" in capped.text and "--plan" in planned.text
     result, report = probe(
-        tmp_path,
         "free",
         *probe_arguments(planned),
         "--lengths",
@@ -373,7 +378,7 @@ def test_the_pages_ladders_find_a_fitting_length_and_stop_at_a_memory_cap(tmp_pa
     # The page's capped ladder at 512, 4k and 8k (the last --lengths and --max-memory given win).
     cap = (small["peak_bytes"] + large["peak_bytes"]) // 2  # room for 512 tokens, not for 4k
     result, report = probe(
-        tmp_path, "capped", *probe_arguments(capped), "--lengths", "512,4k,8k", "--max-memory", str(cap)
+        "capped", *probe_arguments(capped), "--lengths", "512,4k,8k", "--max-memory", str(cap)
     )
     assert result.returncode == 0  # the smallest length fits: the ladder has an answer
     out = result.stdout
@@ -386,10 +391,9 @@ def test_the_pages_ladders_find_a_fitting_length_and_stop_at_a_memory_cap(tmp_pa
 
 
 @pytest.mark.integration
-def test_an_error_stops_the_ladder_in_one_line_with_the_trace_kept(tmp_path):
+def test_an_error_stops_the_ladder_in_one_line_with_the_trace_kept(tmp_path, probe):
     # torch's varlen kernel needs CUDA: on CPU the first step fails with the backend's own message.
     result, report = probe(
-        tmp_path,
         "error",
         "--lengths",
         "512,1k",
@@ -404,13 +408,13 @@ def test_an_error_stops_the_ladder_in_one_line_with_the_trace_kept(tmp_path):
 
 
 @pytest.mark.integration
-def test_compare_full_shows_what_adapters_save(tmp_path, capsys):
+def test_compare_full_shows_what_adapters_save(tmp_path, probe, capsys):
     # Big enough that weights, gradients and optimizer states stand out of the process's own memory.
     model = (
         "model.init_from_config={model_type='llama', vocab_size=4096, hidden_size=512, intermediate_size=1536, "
         "num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=false}"
     )
-    result, report = probe(tmp_path, "lora", "--lengths", "1k", "--compare-full", "lora.r=8", model)
+    result, report = probe("lora", "--lengths", "1k", "--compare-full", "lora.r=8", model)
     assert result.returncode == 0, result.stdout + result.stderr
     entry = report["results"][0]
     assert entry["status"] == entry["full"]["status"] == FITS
@@ -437,11 +441,11 @@ def test_the_page_shows_both_plan_commands():
 @pytest.mark.parametrize(
     "command", PLAN_COMMANDS, ids=lambda command: "tiled" if "tiled_mlp=true" in command.text else "plain"
 )
-def test_the_pages_plan_from_2k_and_4k_predicts_the_peak_measured_at_8k(tmp_path, command):
+def test_the_pages_plan_from_2k_and_4k_predicts_the_peak_measured_at_8k(tmp_path, probe, command):
     words = probe_arguments(command)
     assert "--gpu-memory" in words and "training.activation_checkpointing=true" in words
     # A quarter of the page's lengths (the last --lengths and --plan given win).
-    result, report = probe(tmp_path, "plan", *words, "--lengths", "2k,4k,8k", "--plan", "8k,16k")
+    result, report = probe("plan", *words, "--lengths", "2k,4k,8k", "--plan", "8k,16k")
     assert result.returncode == 0, result.stdout + result.stderr
     at_8k, at_16k = report["plan"]
     assert at_8k["from"] == [2048, 4096] and at_16k["from"] == [4096, 8192]

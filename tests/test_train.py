@@ -1,4 +1,5 @@
-"""train.py end to end on the shipped sample: train, checkpoint, resume mid-epoch, reload."""
+"""`longalign train` end to end on the shipped sample: train, checkpoint, resume mid-epoch, reload (in this
+process, as the console command runs it; the two-rank recipe as a launch of train.py)."""
 
 from __future__ import annotations
 
