@@ -24,7 +24,6 @@ from conftest import (
     SAMPLE,
     packed_logits_error,
     relative_error,
-    run_process,
     tiny_model,
     window_packs,
 )
@@ -33,6 +32,7 @@ from transformers import GlmConfig, GlmForCausalLM
 
 from longalign import chatglm_layout, checkpoints
 from longalign.checkpoints import GLM4_SPECIAL_TOKENS, GLM4_SPLIT_PATTERN, convert, load_model, read_weights
+from longalign.cli import main
 from longalign.errors import ConfigError, ModelError
 
 tiktoken = pytest.importorskip("tiktoken")
@@ -487,8 +487,9 @@ def test_layout_note_says_remote_code_is_not_needed(glm4_dir):
 # --- the whole run -------------------------------------------------------------------------------------
 
 
-def train_chatglm(tmp_path: Path, glm4_dir: Path, extra: str = "") -> Path:
-    """Two training steps of a run file naming the ChatGLM-layout directory, with trust_remote_code; the output."""
+def train_chatglm(tmp_path: Path, glm4_dir: Path, capsys, extra: str = "") -> Path:
+    """Two training steps of a run file naming the ChatGLM-layout directory, with trust_remote_code, in this
+    process as the console command runs them; the output. The checkpoint's own code is never imported."""
     run_file = tmp_path / "run.toml"
     run_file.write_text(
         "[data]\n"
@@ -503,20 +504,19 @@ def train_chatglm(tmp_path: Path, glm4_dir: Path, extra: str = "") -> Path:
         "trust_remote_code = true\n"
         'torch_dtype = "float32"\n' + extra
     )
-    result = run_process(
-        [sys.executable, str(ROOT / "train.py"), "--config", str(run_file)], timeout=600, cwd=ROOT
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "ChatGLM layout, read as GlmForCausalLM" in result.stdout
-    assert "trust_remote_code is not needed" in result.stdout
+    assert main(["train", "--config", str(run_file)]) == 0
+    printed = capsys.readouterr().out
+    assert "ChatGLM layout, read as GlmForCausalLM" in printed
+    assert "trust_remote_code is not needed" in printed
+    assert not [name for name in sys.modules if "chatglm" in name.lower() and "longalign" not in name]
     return tmp_path / "run"
 
 
 @pytest.mark.integration
-def test_run_file_pre_tokenizes_trains_and_saves_in_the_chatglm_layout(tmp_path, glm4_dir, ranks):
+def test_run_file_pre_tokenizes_trains_and_saves_in_the_chatglm_layout(tmp_path, glm4_dir, ranks, capsys):
     from datasets import load_from_disk
 
-    out = train_chatglm(tmp_path, glm4_dir)
+    out = train_chatglm(tmp_path, glm4_dir, capsys)
     for name in ("config.json", "tokenizer.model", "tokenizer_config.json", "modeling_chatglm.py"):
         assert (out / name).read_bytes() == (glm4_dir / name).read_bytes()
     saved, original = read_weights(out), read_weights(glm4_dir)
@@ -535,10 +535,10 @@ def test_run_file_pre_tokenizes_trains_and_saves_in_the_chatglm_layout(tmp_path,
 
 
 @pytest.mark.integration
-def test_lora_run_saves_an_adapter_for_the_chatglm_layout(tmp_path, glm4_dir):
+def test_lora_run_saves_an_adapter_for_the_chatglm_layout(tmp_path, glm4_dir, capsys):
     from longalign.lora import merge_adapter
 
-    out = train_chatglm(tmp_path, glm4_dir, '[lora]\nr = 4\nalpha = 8.0\ntrainable = ["norms"]\n')
+    out = train_chatglm(tmp_path, glm4_dir, capsys, '[lora]\nr = 4\nalpha = 8.0\ntrainable = ["norms"]\n')
     settings = json.loads((out / "adapter_config.json").read_text())
     assert settings["target_modules"] == ["dense", "dense_4h_to_h", "dense_h_to_4h", "query_key_value"]
     assert settings["base_model_name_or_path"] == str(glm4_dir)
@@ -550,7 +550,6 @@ def test_lora_run_saves_an_adapter_for_the_chatglm_layout(tmp_path, glm4_dir):
 
 
 def test_convert_command(tmp_path, glm4_dir, capsys):
-    from longalign.cli import main
 
     assert main(["convert", str(glm4_dir), str(tmp_path / "native")]) == 0
     assert "in the native layout" in capsys.readouterr().out
