@@ -7,12 +7,13 @@ process, and run under ``accelerate launch`` for the multi-rank cases, every cas
 
 ``ENGINE`` is ``ddp`` or ``zero<STAGE>`` (DeepSpeed ZeRO), the DDP cases first (as in
 ``sequence_parallel_run.py``). A variant is a model family with switches, ``FAMILY[+tiled|+layer]
-[+checkpointing][+offload][+adapters][+uneven][+split][+bf16][+flash_attn|+torch_varlen]``: ``tiled`` runs
+[+checkpointing][+offload][+adapters][+uneven][+split][+kv4][+bf16][+flash_attn|+torch_varlen]``: ``tiled`` runs
 the MLPs in tiles of :data:`TILE_TOKENS` tokens, ``layer`` every token-wise part of the decoder layers
 (``tile_layers``), ``checkpointing`` turns activation checkpointing on, ``offload`` keeps
 its inputs in host memory, ``adapters`` trains LoRA adapters on every projection (:data:`ADAPTERS`),
 ``uneven`` trains on two packs of very different lengths, one per rank; ``split`` splits every pack over all
-ranks (sequence parallelism); ``bf16`` trains float32 weights in bf16 mixed precision (autocast) instead of
+ranks (sequence parallelism); ``kv4`` gives the model 8 query and 4 key/value heads instead of 4 and 2, so
+that each of 2 ranks of a split holds two key/value heads, over which a tiled layer's attention loops; ``bf16`` trains float32 weights in bf16 mixed precision (autocast) instead of
 float64, and ``flash_attn`` / ``torch_varlen`` run that attention backend through its kernel's real Python
 layer on CPU (``kernel_standins.py``; they need ``bf16``), ``sdpa_segments`` otherwise. For each case rank
 0 writes, under ``ENGINE/VARIANT``, the update of one plain SGD step (learning rate 1, no clipping: the
@@ -44,7 +45,18 @@ TILE_TOKENS = 8  # 2 to 7 tiles per micro-batch of these packs (and of their hal
 # Adapters on every projection, the MLP's included; the norms train whole. No dropout: tiles draw their
 # masks tile by tile, so a tiled step with dropout is a different draw, not a different gradient.
 ADAPTERS = LoraConfig(r=4, alpha=8.0, trainable=["norms"])
-SWITCHES = ("tiled", "layer", "checkpointing", "offload", "adapters", "uneven", "split", "bf16", *STOOD_IN)
+SWITCHES = (
+    "tiled",
+    "layer",
+    "checkpointing",
+    "offload",
+    "adapters",
+    "uneven",
+    "split",
+    "kv4",
+    "bf16",
+    *STOOD_IN,
+)
 
 
 def parse(variant: str) -> tuple[str, set[str]]:
@@ -65,7 +77,8 @@ def packs(uneven: bool) -> datasets.Dataset:
 def model(family: str, switches: set[str], size: int, *, float32: bool = False) -> torch.nn.Module:
     """The family's tiny model in float64 (float32 for ``bf16`` and ``float32``), patched as the variant says."""
     backend = next((STOOD_IN[name] for name in STOOD_IN if name in switches), "sdpa_segments")
-    base = tiny_model(family, backend=backend, sequence_parallel_size=size)
+    heads = dict(num_attention_heads=8, num_key_value_heads=4) if "kv4" in switches else {}
+    base = tiny_model(family, backend=backend, sequence_parallel_size=size, **heads)
     base = base.float() if float32 or "bf16" in switches else base.double()
     if "tiled" in switches:
         longalign.patch.tile_mlp(base, tile_tokens=TILE_TOKENS)
