@@ -231,7 +231,7 @@ def test_the_1d_mask_call_reaches_each_gpu_backend_as_cu_seqlens(kernel, kind):
 @needs_deepspeed
 def test_sequence_parallel_2_with_flash_attn_trains_the_one_rank_step(tmp_path):
     """2 ranks, each pack split over both: the Ulysses exchange hands flash-attn's Python layer whole samples,
-    half of the heads on each rank, in the layout and dtype its kernel takes (the stand-in checks them); with
+    half of the heads on each rank (two key/value heads each), in the layout and dtype its kernel takes (the stand-in checks them); with
     tiled layers, from q, k, v their tiles computed.
 
     DeepSpeed's Ulysses layer wraps one attention per process, hence a launch of its own.
@@ -240,10 +240,12 @@ def test_sequence_parallel_2_with_flash_attn_trains_the_one_rank_step(tmp_path):
         flash_attn_sources()  # fetched once here, not by both ranks at once
     except SourcesUnavailable as error:
         pytest.skip(f"flash-attn's Python layer is not available here: {error}")
+    # 8 query and 4 key/value heads: each rank holds two key/value heads, over which the tiled layer's
+    # attention loops (one head per rank is the split launch of tests/test_tiled_mlp.py).
     variants = [
-        "llama+bf16+flash_attn",
-        "llama+bf16+flash_attn+tiled+checkpointing",
-        "llama+bf16+flash_attn+layer+checkpointing",  # the exchange between the tiled parts and the kernel
+        "llama+kv4+bf16+flash_attn",
+        "llama+kv4+bf16+flash_attn+tiled+checkpointing",
+        "llama+kv4+bf16+flash_attn+layer+checkpointing",  # the exchange between the tiled parts and the kernel
     ]
     out, here = tmp_path / "results.pt", Path(__file__).resolve().parent
     cases = [f"ddp/{variant}+split" for variant in variants]

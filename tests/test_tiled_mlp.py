@@ -168,14 +168,12 @@ def test_a_step_with_tiled_mlps_is_the_step_without(variant):
 
 # Every two-rank case in one launch: DDP with each pack split over both ranks (sequence parallelism 2), each
 # rank tiling its half; then ZeRO-3 with one pack per rank, 51 tokens (7 tiles) on one and 14 (2) on the other.
-# The tiled decoder layer (tests/test_tiled_layer.py) rides along: one case of each, and one split with two
-# key/value heads on each rank, whose attention the tiled layer runs one key/value head at a time.
+# The tiled decoder layer (tests/test_tiled_layer.py) rides along: one case of each.
 SPLIT = [
     "llama+split",
     "llama+tiled+split",
     "llama+tiled+checkpointing+adapters+split",
     "llama+layer+checkpointing+adapters+split",
-    "llama+layer+checkpointing+split+kv4",
 ]
 UNEVEN = [
     "llama+uneven",
