@@ -185,7 +185,7 @@ def main() -> None:
     print(
         f"one MLP alone, forward + backward over {longest:,} tokens: dense {format_bytes(mlp['dense'])}, tiled "
         f"{format_bytes(mlp['tiled'])} ({removed:.0%} of the MLP's memory removed; what stays is its "
-        "[tokens, hidden] output and input gradient, and one tile)"
+        "[tokens, hidden] output, the gradient it receives and its input's gradient, and one tile)"
     )
 
 

@@ -172,8 +172,7 @@ class _Values(LiveTensors):
             return out
         out = func(*args, **kwargs)
         outputs = list(_tensors(out))
-        for tensor in outputs:
-            self._account(tensor.untyped_storage(), "activations")
+        self.account_outputs(outputs, (args, kwargs))
         if known and outputs and all(o.numel() <= _LARGEST_VALUE for o in outputs):
             if tensors or all(not o.is_floating_point() or o.numel() <= 4096 for o in outputs):
                 real = self._run_on_values(func, args, kwargs)

@@ -48,10 +48,20 @@ class LiveTensors(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":
-                self._account(leaf.untyped_storage(), "activations")
+        self.account_outputs(out, (args, kwargs))
         return out
+
+    def account_outputs(self, outputs, inputs) -> None:
+        """Count the storages an operation made; an output that is one of its inputs' storages was not made
+        by it: counted already, or made before counting began and never tracked (DDP's gradient buckets,
+        which the reducer writes each gradient into) and so not part of what the step allocates."""
+        given = {id(t.untyped_storage()) for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)}
+        for leaf in tree_leaves(outputs):
+            if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":
+                storage = leaf.untyped_storage()
+                if id(storage) in given and id(storage) not in self._sizes:
+                    continue
+                self._account(storage, "activations")
 
     def __exit__(self, *exc):
         for hook in self._hooks:

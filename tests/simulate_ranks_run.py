@@ -8,7 +8,8 @@ are, DDP's reduction is a no-op hook), so the step computes on garbage but alloc
 group allocates; tests/test_simulate.py compares the two. What is compared is the rank's own share, the
 peak of what the step allocates beyond weights, gradients and optimizer states (activations, the
 all-to-all buffers, the kernels' buffers): DDP's gradients live in its buckets here (gradient views of
-them), which exist before the step; the simulation adds DDP's buckets to the GPU's peak on its own.
+them), which exist before the step and which the counter does not count when the reducer writes into
+them; the simulation adds DDP's buckets to the GPU's peak on its own.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import DEMO, ROOT
 from docs_commands import Command, argv, commands_in
 from hypothesis import given, settings
@@ -35,6 +36,7 @@ from longalign.probe import (
     synthetic_seq_lens,
 )
 from longalign.probe_step import ERROR, FITS, OUT_OF_MEMORY, step_config
+from longalign.tensor_memory import LiveTensors
 
 
 def test_lengths_and_sizes():
@@ -111,6 +113,17 @@ def test_a_step_started_from_a_large_process_reads_its_own_peak():
     )
     done = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, check=True)
     assert int(done.stdout) < 1536 * 2**20  # torch imported: a few hundred MiB
+
+
+def test_the_counter_counts_what_an_operation_makes_not_what_it_writes_into():
+    """A storage made before counting and never tracked (as DDP's gradient buckets are) that an operation
+    writes into was not made by the step; a view or an in-place result of a counted storage counts once."""
+    before = torch.zeros(1024)
+    with LiveTensors() as live:
+        before[:256].copy_(torch.ones(256))  # the ones (1 KiB) are made, then freed; `before` is written into
+        made = torch.empty(512)
+        made[:10].add_(1)
+    assert live.peak == live.device == live.parts["activations"] == made.nbytes == 2048
 
 
 def test_combine_ranks_takes_the_worst_rank_and_the_real_cause():

@@ -43,11 +43,6 @@ def test_the_simulated_peak_is_the_counted_peak_of_a_real_step(tmp_path, variant
 
 @pytest.mark.integration
 @needs_deepspeed
-@pytest.mark.xfail(
-    strict=True,
-    reason="rank 0 of a real group under DDP holds 1.8-2.7 MB more at 512 and 1k tokens (up to 10%; at 2k within "
-    "0.3%), not yet traced: DDP's reducer is not run by the simulation",
-)
 def test_the_simulated_rank_of_a_sequence_parallel_group_is_the_counted_real_rank(tmp_path):
     """Rank 0 of a group of 2 (DeepSpeed's Ulysses all-to-alls, DDP), real and simulated, on a fake group:
     the peak of what the step allocates beyond weights, gradients and optimizer states."""
