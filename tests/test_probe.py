@@ -404,7 +404,7 @@ def test_the_pages_ladders_find_a_fitting_length_and_stop_at_a_memory_cap(tmp_pa
 
 
 @pytest.mark.integration
-def test_an_error_stops_the_ladder_in_one_line_with_the_trace_kept(tmp_path, probe):
+def test_an_error_stops_the_ladder_in_one_line_with_the_trace_kept(probe):
     # torch's varlen kernel needs CUDA: on CPU the first step fails with the backend's own message.
     result, report = probe(
         "error",
@@ -421,7 +421,7 @@ def test_an_error_stops_the_ladder_in_one_line_with_the_trace_kept(tmp_path, pro
 
 
 @pytest.mark.integration
-def test_compare_full_shows_what_adapters_save(tmp_path, probe, capsys):
+def test_compare_full_shows_what_adapters_save(probe, capsys):
     # Big enough that weights, gradients and optimizer states stand out of the process's own memory.
     model = (
         "model.init_from_config={model_type='llama', vocab_size=4096, hidden_size=512, intermediate_size=1536, "
@@ -454,7 +454,7 @@ def test_the_page_shows_both_plan_commands():
 @pytest.mark.parametrize(
     "command", PLAN_COMMANDS, ids=lambda command: "tiled" if "tiled_mlp=true" in command.text else "plain"
 )
-def test_the_pages_plan_from_2k_and_4k_predicts_the_peak_measured_at_8k(tmp_path, probe, command):
+def test_the_pages_plan_from_2k_and_4k_predicts_the_peak_measured_at_8k(probe, command):
     words = probe_arguments(command)
     assert "--gpu-memory" in words and "training.activation_checkpointing=true" in words
     # A quarter of the page's lengths (the last --lengths and --plan given win).
