@@ -556,7 +556,6 @@ def test_lora_run_saves_an_adapter_for_the_chatglm_layout(tmp_path, glm4_dir, ca
 
 
 def test_convert_command(tmp_path, glm4_dir, capsys):
-
     assert main(["convert", str(glm4_dir), str(tmp_path / "native")]) == 0
     assert "in the native layout" in capsys.readouterr().out
     assert main(["convert", str(tmp_path / "nowhere"), str(tmp_path / "out")]) == 2

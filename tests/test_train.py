@@ -120,7 +120,7 @@ def test_the_longalign_recipe_trains_on_raw_chats_on_two_ranks(tmp_path):
     assert tokenized["truncation"] == "drop"  # the length filter drops, never truncates
 
 
-# Runs train.py's entry point after making the model's forward raise at the second optimizer step.
+# The model's forward raises at the second optimizer step, in this process as the console command runs it.
 @pytest.mark.parametrize("error", [ValueError, errors.ConfigError])
 def test_an_error_once_training_runs_keeps_its_traceback(
     tokenized_sample, tmp_path, error, monkeypatch, capsys
