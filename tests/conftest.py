@@ -366,15 +366,13 @@ def demo_train_arguments(
     ]  # fmt: skip
 
 
-def train_demo(
-    tokenized: Path, output_dir: Path, *overrides: str, status: int = 0, max_seq_len: int = 1024
-) -> None:
+def train_demo(tokenized: Path, output_dir: Path, *overrides: str, max_seq_len: int = 1024) -> None:
     """``longalign train`` with :func:`demo_train_arguments`, in this process, as the console command runs it
     (tests/test_cli.py runs ``train.py`` as a process); what it prints goes to the test's ``capsys``."""
     from longalign.cli import main
 
     arguments = demo_train_arguments(tokenized, output_dir, *overrides, max_seq_len=max_seq_len)
-    assert main(["train", *arguments]) == status
+    assert main(["train", *arguments]) == 0
 
 
 def step_losses(output_dir: Path) -> dict[int, float]:

@@ -467,9 +467,9 @@ def test_merged_model_gives_the_adapted_model_logits(tmp_path, kind):
 ADAPTER_RUN = ["lora.r=8", "lora.alpha=16", "lora.trainable=['norms']", "training.learning_rate=1e-2"]
 
 
-def train(tokenized: Path, output_dir: Path, *overrides: str, status: int = 0):
+def train(tokenized: Path, output_dir: Path, *overrides: str):
     """A demo run with adapters."""
-    train_demo(tokenized, output_dir, *ADAPTER_RUN, *overrides, status=status)
+    train_demo(tokenized, output_dir, *ADAPTER_RUN, *overrides)
 
 
 @pytest.mark.integration
