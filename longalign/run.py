@@ -487,11 +487,11 @@ def saved_random_base(cfg: Config, args: TrainingArguments) -> Config:
     seed, written to ``output_dir/base_model`` (where the adapters name their base for merging) and loaded
     back quantized. The other ranks wait for the saving one.
     """
-    from longalign.lora import BASE_MODEL_DIR, save_base
-
     lora = cfg.lora
     if cfg.model.init_from_config is None or lora is None or not (lora.load_in_4bit or lora.load_in_8bit):
         return cfg
+    from longalign.lora import BASE_MODEL_DIR, save_base  # the lora extra, needed by [lora] runs alone
+
     with args.main_process_first(local=args.save_on_each_node, desc="saving the random base"):
         if args.should_save:
             model = AutoModelForCausalLM.from_config(model_config(cfg), dtype=model_dtype(cfg))
