@@ -44,14 +44,12 @@ from longalign.config import LoraConfig
 from longalign.errors import ConfigError, ModelError, PathError
 from longalign.loss import LinearInputs, linear_head
 from longalign.patch import check_model
-from longalign.patch.glm import GLM, GLM4
-from longalign.patch.llama import LLAMA
 
 # Every attention and MLP projection of a family (GLM fuses gate and up into one layer).
 TARGET_MODULES = {
-    LLAMA.label: ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
-    GLM.label: ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"),
-    GLM4.label: ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"),
+    "Llama 3": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    "GLM": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"),
+    "GLM-4": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"),
 }
 # Other decoders: every linear layer except the output layer, as peft resolves this name.
 GENERIC_TARGETS = "all-linear"

@@ -112,6 +112,13 @@ def dry_run_summary(result: dict) -> str:
     ]
     if result["config_overrides"]:
         lines += ["", f"model config_overrides: {result['config_overrides']}"]
+    family = result.get("model_family")
+    if family:
+        follows = ", ".join(family["packs_exactly_with"]) or "nothing beyond causal attention"
+        lines += [
+            "",
+            f"model: {family['architecture']} ({family['model_type']}) packs exactly; it follows {follows}",
+        ]
     for which, entry in result["data"].items():
         lines += ["", f"{which} data: {entry['path']}"]
         if entry["pre_tokenize"]:

@@ -54,6 +54,7 @@ from longalign.errors import ConfigError, InputError, LongAlignError
 from longalign.fingerprints import digest, tokenizer_digests
 from longalign.loss import linear_head
 from longalign.packing import write_packs
+from longalign.patch import families
 from longalign.preflight import (
     DEFAULT_ENV,
     PreflightReport,
@@ -187,6 +188,18 @@ def load_model(cfg: Config, device: torch.device | None = None) -> torch.nn.Modu
     if training.offload_activations:
         longalign.patch.offload_checkpointed_inputs(model)
     return model
+
+
+def check_family(cfg: Config, config=None) -> families.Decision:
+    """The model family's decision (``longalign.patch.families``) for the run's model and attention backend,
+    from its config alone; raises ``UnsupportedModelError`` in one line when it cannot train on packed
+    samples exactly. Called before any data is prepared."""
+    decision = families.decide(
+        config if config is not None else model_config(cfg), backend=cfg.model.attn_backend
+    )
+    if not decision.exact:
+        raise longalign.patch.UnsupportedModelError(decision.message())
+    return decision
 
 
 def check_sequence_parallel(
@@ -552,6 +565,7 @@ def build_trainer(cfg: Config) -> LongAlignTrainer:
     args = training_arguments(cfg)
     check_sequence_parallel(cfg, args.world_size, parallelism=args.parallelism_config)
     check_quantized_base(cfg, args)
+    check_family(cfg)
     tokenizer = load_tokenizer(cfg)
     # The data first: a problem with it shows before the weights are loaded.
     train_packs = resolve_packs("train", cfg, args, tokenizer)
@@ -773,6 +787,7 @@ def dry_run(cfg: Config) -> dict[str, Any]:
     try:
         tokenizer = _local_tokenizer(cfg, not_checked)
         config = _local_model_config(cfg, not_checked)
+        family = check_family(cfg, config) if config is not None else None
         text_config = config.get_text_config() if config is not None else None
         data = {}
         for which in ("train", "eval") if cfg.data.eval_file else ("train",):
@@ -810,6 +825,13 @@ def dry_run(cfg: Config) -> dict[str, Any]:
         return {
             "settings": resolved_settings(cfg),
             "config_overrides": overrides_note(_local_model(cfg)) if config is not None else None,
+            "model_family": None
+            if family is None
+            else {
+                "model_type": family.model_type,
+                "architecture": family.architecture,
+                "packs_exactly_with": family.features.described(),
+            },
             "data": data,
             "eval_tasks": tasks,
             "needs_gpu": needs_gpu,
@@ -917,6 +939,7 @@ def preflight(cfg: Config, env_names: Sequence[str] = DEFAULT_ENV) -> PreflightR
     args = training_arguments(cfg)
     check_sequence_parallel(cfg, args.world_size, parallelism=args.parallelism_config)
     check_quantized_base(cfg, args)
+    check_family(cfg)
     try:
         accelerator = trainer_accelerator(args)
         return run_preflight(

@@ -17,8 +17,9 @@ varlen attention runs inside DeepSpeed's Ulysses layer (``sequence_parallel``), 
 must be its slices of the pack (``longalign.batching.PackCollator``); ``with whole_rows(model):`` it
 attends without splitting for a while (scoring during training).
 
-Families with a module of their own: ``llama`` (Llama 3), ``glm`` (GLM, GLM-4). Other decoders with rotary
-positions and attention through transformers' ``AttentionInterface`` take the ``generic`` path.
+What longalign knows of model families is in ``families``: ``families.decide(config)`` says, before any
+data is prepared, whether a model trains on packed samples exactly, and why not; ``apply`` holds the model
+it patches to the same decision.
 
 Three more patches trade time for memory at long context, all exact: ``tile_mlp(model)`` runs every
 layer's MLP over the tokens in tiles (``tiled_mlp``), ``tile_layers(model)`` every token-wise part of
@@ -37,10 +38,8 @@ import torch
 
 from longalign.errors import ModelError
 
-from . import cu_seqlens_mask, generic
-from .glm import GLM, GLM4, REMOTE_CODE_HINTS
+from . import cu_seqlens_mask, families
 from .interface import ATTENTION_NAMES, register, varlen_attention_forward
-from .llama import LLAMA
 from .offload import offload_checkpointed_inputs
 from .sequence_parallel import sequence_parallel_problems, whole_rows, wrap
 from .tiled_layer import TILEABLE_LAYERS, tile_layers
@@ -48,7 +47,6 @@ from .tiled_mlp import TILEABLE_MLPS, tile_mlp
 
 __all__ = [
     "ATTENTION_NAMES",
-    "FAMILIES",
     "TILEABLE_LAYERS",
     "TILEABLE_MLPS",
     "UnsupportedModelError",
@@ -56,14 +54,11 @@ __all__ = [
     "check_model",
     "offload_checkpointed_inputs",
     "sequence_parallel_problems",
-    "supported",
     "tile_layers",
     "tile_mlp",
     "varlen_attention_forward",
     "whole_rows",
 ]
-
-FAMILIES = (LLAMA, GLM, GLM4)
 
 
 class UnsupportedModelError(ModelError):
@@ -78,7 +73,7 @@ def apply(
     With ``sequence_parallel_size`` N > 1 the varlen attention is wrapped in DeepSpeed's Ulysses layer
     over groups of N consecutive ranks (needs DeepSpeed and a process group).
     """
-    check_model(model)
+    check_model(model, backend=backend)
     if sequence_parallel_size > 1:
         found = sequence_parallel_problems(model.config, sequence_parallel_size)
         if found:
@@ -99,34 +94,18 @@ def apply(
     return model
 
 
-def check_model(model: torch.nn.Module) -> str:
-    """The family ``model`` is patched as (a label such as ``"GLM-4"``, or ``"generic"``); raises if unsupported."""
-    cls = type(model)
-    model_type = getattr(getattr(model, "config", None), "model_type", "?")
-    if cls.__module__.startswith("transformers_modules"):
-        hint = REMOTE_CODE_HINTS.get(model_type, "Load a checkpoint that transformers supports natively.")
-        raise UnsupportedModelError(
-            f"{cls.__name__} (model type {model_type!r}) is trust_remote_code from {cls.__module__}; longalign "
-            f"patches only transformers' own classes. {hint}"
-        )
+def check_model(model: torch.nn.Module, *, backend: str = "auto") -> str:
+    """The family ``model`` is patched as (a label such as ``"GLM-4"``, or ``"generic"``); raises
+    ``UnsupportedModelError`` in one line when it cannot train on packed samples exactly (``families``)."""
+    remote = families.remote_code_problem(model)
+    if remote:
+        raise UnsupportedModelError(remote)
     if not hasattr(model, "set_attn_implementation"):
         raise UnsupportedModelError(
-            f"{cls.__name__} is not a transformers model; call longalign.patch.apply on the model before "
+            f"{type(model).__name__} is not a transformers model; call longalign.patch.apply on the model before "
             "wrapping it (PEFT, FSDP, DeepSpeed)"
         )
-    found = generic.problems(model)
-    if found:
-        raise UnsupportedModelError(
-            f"{cls.__name__} (model type {model_type!r}) cannot train on packed samples: {'; '.join(found)}. "
-            f"{supported()}"
-        )
-    return next((family.label for family in FAMILIES if cls.__name__ in family.architectures), "generic")
-
-
-def supported() -> str:
-    """One sentence naming the supported models, for error messages and docs."""
-    named = ", ".join(f"{family.label} ({'/'.join(family.architectures)})" for family in FAMILIES)
-    return (
-        f"Supported: {named}; and any other causal LM whose attention goes through transformers' "
-        "AttentionInterface with fixed rotary position embeddings (e.g. Qwen2, Qwen3, Mistral)."
-    )
+    decision = families.decide_model(model, backend=backend)
+    if not decision.exact:
+        raise UnsupportedModelError(decision.message())
+    return families.NAMED.get(type(model).__name__, "generic")
