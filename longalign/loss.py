@@ -40,13 +40,13 @@ buffer. ``benchmarks/loss_memory.py`` compares it with transformers' full-logits
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from longalign.errors import ConfigError, ModelError
 
@@ -260,17 +260,61 @@ class LMHead:
     final_logit_softcap: float | None  # softcap * tanh(logits / softcap); None = no cap
 
 
-# Config fields that transform the logits, and the factor each puts on them.
-_LOGIT_SCALE_FIELDS = {
-    "logit_scale": lambda value: value,  # Cohere: logits * logit_scale
-    "lm_head_multiplier": lambda value: value,  # Falcon-H1: logits * lm_head_multiplier
-    "logits_scaling": lambda value: 1 / value,  # Granite: logits / logits_scaling
-}
-_SOFTCAP_FIELD = "final_logit_softcapping"  # Gemma 2/3: softcap * tanh(logits / softcap)
-# Other config fields that look like they touch the logits (unsupported unless None); attention and
-# router soft-caps and initialisation values act elsewhere.
-_LOGIT_LIKE_FIELD = re.compile(r"(logit|lm_head|output).*(scal|mult|cap)|(scal|mult|cap).*logit")
-_NOT_OUTPUT_FIELD = re.compile(r"attn|attention|router|init")
+@dataclass(frozen=True)
+class LogitTransform:
+    """How a family transforms its logits after the LM head, as its ``ForCausalLM.forward`` does it."""
+
+    field: str  # the name the forward reads; dotted for an attribute of a submodule
+    read_from: str  # "config": the text config, every forward; "module": the causal LM, set at init
+    kind: str  # "multiply": logits * v; "divide": logits / v; "softcap": v * tanh(logits / v), off if None
+
+
+# The families whose causal LM transforms the logits after ``self.lm_head(...)`` (transformers 5.24), by
+# ``config.model_type``. Any other transform after the head is caught by the check on the model's output
+# (:meth:`LossHead.returned_sum`). Families that transform always, with no neutral value (Inkling's softcap
+# module, RecurrentGemma, xLSTM), are left to that check.
+LOGIT_TRANSFORMS: dict[str, LogitTransform] = {
+    **dict.fromkeys(  # Granite 3.x: logits / 16
+        ("granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared"),
+        LogitTransform("logits_scaling", "config", "divide"),
+    ),
+    "hyperclovax": LogitTransform("logits_scaling", "config", "multiply"),  # multiplies, unlike Granite
+    **dict.fromkeys(
+        ("cohere", "cohere2", "cohere2_moe", "cohere_compass_text"),
+        LogitTransform("logit_scale", "module", "multiply"),
+    ),
+    "falcon_h1": LogitTransform("model.lm_head_multiplier", "module", "multiply"),
+    **dict.fromkeys(  # Gemma 3's multimodal class (model_type "gemma3") does not cap in 5.24
+        (
+            "gemma2", "gemma3_text", "gemma3n", "gemma3n_text", "gemma4", "gemma4_text", "gemma4_unified",
+            "gemma4_unified_text", "vaultgemma", "nanochat", "beam",
+        ),
+        LogitTransform("final_logit_softcapping", "config", "softcap"),
+    ),
+}  # fmt: skip
+# What each kind is held at while the loss runs inside the head: the forward then leaves S as it is.
+_NEUTRAL = {"multiply": 1.0, "divide": 1.0, "softcap": None}
+
+
+def logit_transform(model: nn.Module) -> tuple[LogitTransform, Any, str] | None:
+    """The row of :data:`LOGIT_TRANSFORMS` for ``model``, the object holding its value, and the name there.
+
+    ``model`` is a transformers causal LM, or a wrapper that hands it out with ``get_base_model()`` (PEFT).
+    The value is ``getattr(holder, name)``; None when the family has no transform after its head::
+
+        GraniteForCausalLM   ->  (LogitTransform("logits_scaling", ...), model.config, "logits_scaling")
+        FalconH1ForCausalLM  ->  (LogitTransform("model.lm_head_multiplier", ...), model.model,
+                                  "lm_head_multiplier")
+    """
+    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    transform = LOGIT_TRANSFORMS.get(getattr(causal_lm.config, "model_type", None))
+    if transform is None:
+        return None
+    *path, name = transform.field.split(".")
+    holder = causal_lm.config.get_text_config() if transform.read_from == "config" else causal_lm
+    for part in path:
+        holder = getattr(holder, part)
+    return transform, holder, name
 
 
 LinearInputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # hidden, weight, bias
@@ -300,43 +344,40 @@ def _read(model: nn.Module, head: nn.Module, read_head: HeadReader) -> Callable[
 
 
 def lm_head_spec(model: nn.Module, read_head: HeadReader = linear_head) -> LMHead:
-    """The output layer of a transformers causal LM, with any logit scale or soft-cap from its config.
+    """The output layer of a transformers causal LM, with the logit scale or soft-cap its family applies.
 
-    Raises ``ModelError`` naming the module class or config field when the model's logits are computed
-    in a way this loss does not reproduce. Read it every step, after ``forward_hidden``: sharding
-    backends may swap the parameter objects between steps. For a head with a LoRA adapter, ``weight``
-    is its frozen base (its ``read_head`` adds the adapter).
+    The scale and soft-cap are read where the family's forward reads them (:data:`LOGIT_TRANSFORMS`):
+    Granite 3.x (``logits_scaling`` 16) gives ``logit_scale`` 1/16, Gemma 2 ``final_logit_softcap`` 30.
+    Raises ``ModelError`` naming the module class or the field when the output layer or the value is
+    one this loss does not reproduce. For a head with a LoRA adapter, ``weight`` is its frozen base (its
+    ``read_head`` adds the adapter).
     """
     head = model.get_output_embeddings()
     _read(model, head, read_head)
-    config = model.config.get_text_config()
-    for name, value in config.to_dict().items():
-        if value is not None and _LOGIT_LIKE_FIELD.search(name) and not _NOT_OUTPUT_FIELD.search(name):
-            if name not in _LOGIT_SCALE_FIELDS and name != _SOFTCAP_FIELD:
-                raise ModelError(_unsupported_field(model, name, value))
-    scale = 1.0
-    # getattr, not to_dict: some configs (MiniCPM3's logits_scaling) derive the field as a property.
-    for name, factor in _LOGIT_SCALE_FIELDS.items():
-        value = getattr(config, name, None)
+    scale, softcap = None, None
+    found = logit_transform(model)
+    if found is not None:
+        transform, holder, name = found
+        value = getattr(holder, name, None)
         if value is not None:
-            if not isinstance(value, int | float):
-                raise ModelError(_unsupported_field(model, name, value))
-            scale *= factor(value)
-    softcap = getattr(config, _SOFTCAP_FIELD, None)
-    if softcap is not None and not isinstance(softcap, int | float):
-        raise ModelError(_unsupported_field(model, _SOFTCAP_FIELD, softcap))
+            if not isinstance(value, int | float) or (transform.kind != "multiply" and value == 0):
+                raise ModelError(_unsupported_field(model, transform.field, value))
+            if transform.kind == "softcap":
+                softcap = float(value)
+            else:
+                scale = float(value) if transform.kind == "multiply" else 1 / float(value)
     return LMHead(
         weight=head.weight,
         bias=head.bias,
-        logit_scale=None if scale == 1.0 else float(scale),
-        final_logit_softcap=None if softcap is None else float(softcap),
+        logit_scale=None if scale == 1.0 else scale,
+        final_logit_softcap=softcap,
     )
 
 
 def _unsupported_field(model: nn.Module, name: str, value: Any) -> str:
     return (
-        f"{type(model).__name__}: config field {name!r} = {value!r} changes the logits in a way the "
-        "chunked loss does not apply"
+        f"{type(model).__name__}: {name!r} = {value!r} transforms the logits in a way the chunked loss "
+        "does not apply"
     )
 
 
@@ -345,11 +386,14 @@ class LossHead:
 
     A context manager around one forward call of the (possibly wrapped) model::
 
-        with LossHead(inner_model, batch, chunk_size=4096):
-            s = model(**inputs, use_cache=False, logits_to_keep=0).logits.reshape(())
+        with LossHead(inner_model, batch, chunk_size=4096) as head:
+            outputs = model(**inputs, use_cache=False, logits_to_keep=0)
+        s = head.returned_sum(outputs.logits)
 
-    On entry the head is checked (:func:`lm_head_spec`) and its ``forward`` is replaced on the instance;
-    on exit the class's own ``forward`` is back, whatever happened in between.
+    On entry the head is checked (:func:`lm_head_spec`), its ``forward`` is replaced on the instance, and
+    the family's own transform after the head (:data:`LOGIT_TRANSFORMS`) is held neutral (scale 1,
+    soft-cap off), since the loss applies it inside; on exit all of it is back, whatever happened in
+    between.
     """
 
     def __init__(
@@ -360,18 +404,16 @@ class LossHead:
         chunk_size: int,
         read_head: HeadReader = linear_head,
     ) -> None:
-        spec = lm_head_spec(model, read_head)
-        if spec.logit_scale is not None or spec.final_logit_softcap is not None:
-            raise ModelError(
-                f"{type(model).__name__}: the model scales or soft-caps its logits after the LM head, which "
-                "the loss computed inside the LM head cannot follow"
-            )
+        self.spec = lm_head_spec(model, read_head)
+        self.model = model
         self.head = model.get_output_embeddings()
         self.as_linear = _read(model, self.head, read_head)
         self.shifted = "shift_labels" in batch
         prefix = "shift_" if self.shifted else ""
         self.labels, self.weights = batch[prefix + "labels"], batch[prefix + "loss_weights"]
         self.chunk_size = chunk_size
+        self.returned: torch.Tensor | None = None  # S as the head returned it, last call
+        self._held: tuple[Any, str, Any] | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """What the head computes while installed: ``S`` as ``[1, 1, 1]`` from ``hidden [B, T, H]``."""
@@ -382,17 +424,54 @@ class LossHead:
             self.labels,
             self.weights,
             lm_head_bias=bias,
+            logit_scale=self.spec.logit_scale,
+            final_logit_softcap=self.spec.final_logit_softcap,
             chunk_size=self.chunk_size,
             shifted=self.shifted,
         )
+        self.returned = total.detach()
         return total.reshape(1, 1, 1)
+
+    def returned_sum(self, logits: torch.Tensor) -> torch.Tensor:
+        """``S`` as the model's output carries it (``outputs.logits``), checked to be what the head returned.
+
+        Backward must run through this tensor, not through the head's own: sharding backends (FSDP,
+        ZeRO-3) hook the head's output to gather its weight for backward. Raises ``ModelError`` when the
+        model changed it after the head (a transform this module does not know), so no transform is
+        ever silently applied on top of the loss. A cast to float32 is the one change let through.
+        """
+        if self.returned is None or not _same_value(logits, self.returned):
+            raise ModelError(
+                f"{type(self.model).__name__} transforms the LM head's output in a way longalign does not "
+                "apply (its logits are not the loss sum the head returned); the chunked loss cannot train it"
+            )
+        return logits.reshape(())
 
     def __enter__(self) -> LossHead:
         self.head.forward = self.forward
+        found = logit_transform(self.model)
+        if found is not None and getattr(found[1], found[2], None) is not None:
+            transform, holder, name = found
+            self._held = (holder, name, getattr(holder, name))
+            setattr(holder, name, _NEUTRAL[transform.kind])
         return self
 
     def __exit__(self, *exc: object) -> None:
         del self.head.forward
+        if self._held is not None:
+            holder, name, value = self._held
+            setattr(holder, name, value)
+            self._held = None
+
+
+def _same_value(logits: torch.Tensor, returned: torch.Tensor) -> bool:
+    """``logits`` holds exactly ``returned`` (NaN matching NaN), or its float32 cast; fake tensors pass."""
+    if logits.numel() != 1 or logits.dtype not in (returned.dtype, torch.float32):
+        return False
+    if is_fake(logits):  # a memory simulation's tensors carry no values
+        return True
+    expected = returned.to(logits.dtype).reshape(())
+    return bool(torch.allclose(logits.detach().reshape(()), expected, rtol=0, atol=0, equal_nan=True))
 
 
 def weighted_loss_sum(
@@ -408,6 +487,6 @@ def weighted_loss_sum(
     while hasattr(inner, "module"):
         inner = inner.module
     inputs = {key: batch[key] for key in MODEL_INPUT_KEYS if key in batch}
-    with LossHead(inner, batch, chunk_size=chunk_size, read_head=read_head):
+    with LossHead(inner, batch, chunk_size=chunk_size, read_head=read_head) as head:
         outputs = model(**inputs, use_cache=False, logits_to_keep=0)
-    return outputs.logits.reshape(())
+    return head.returned_sum(outputs.logits)
