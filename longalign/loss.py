@@ -40,6 +40,7 @@ buffer. ``benchmarks/loss_memory.py`` compares it with transformers' full-logits
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -474,6 +475,143 @@ def _same_value(logits: torch.Tensor, returned: torch.Tensor) -> bool:
     return bool(torch.allclose(logits.detach().reshape(()), expected, rtol=0, atol=0, equal_nan=True))
 
 
+@dataclass(frozen=True)
+class RouterLoss:
+    """What the load-balancing loss of a mixture-of-experts model needs, read where its forward reads it."""
+
+    coefficient: float  # the causal LM's router_aux_loss_coef: the loss adds coefficient x aux
+    num_experts: int  # E
+    top_k: int  # experts each token is routed to
+
+
+def router_loss_spec(model: nn.Module) -> RouterLoss | None:
+    """The router loss ``model``'s own loss adds, or None when it adds none.
+
+    A transformers MoE causal LM adds ``router_aux_loss_coef * load_balancing_loss_func(router_logits,
+    num_experts, num_experts_per_tok)`` to its loss when its config has ``output_router_logits`` on (Mixtral,
+    Qwen2/3-MoE, OLMoE, gpt-oss, Granite-MoE, Jamba, DBRX, ...); the three values are attributes its
+    ``__init__`` copies from the config, and are read there. Families whose forward adds no router term
+    (DeepSeek-V3, GLM-4.5, Llama 4 in transformers 5.24) have no ``router_aux_loss_coef`` attribute and get
+    none here either. ``model`` may be in a PEFT wrapper.
+    """
+    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not getattr(causal_lm.config.get_text_config(), "output_router_logits", False):
+        return None
+    coefficient = getattr(causal_lm, "router_aux_loss_coef", None)
+    if coefficient is None:
+        return None
+    values = {name: getattr(causal_lm, name, None) for name in ("num_experts", "num_experts_per_tok")}
+    missing = [name for name, value in values.items() if not isinstance(value, int)]
+    if missing or not isinstance(coefficient, int | float):
+        unread = ", ".join(missing) or "router_aux_loss_coef"
+        raise ModelError(
+            f"{type(causal_lm).__name__}: output_router_logits is on, but its {unread} is not a number the "
+            "router loss can read; set output_router_logits = false to train without it"
+        )
+    return RouterLoss(float(coefficient), values["num_experts"], values["num_experts_per_tok"])
+
+
+def router_loss_sum(
+    router_logits: tuple[torch.Tensor, ...],
+    pack_ids: torch.Tensor,
+    num_packs: int,
+    spec: RouterLoss,
+    *,
+    all_reduce: Callable[[torch.Tensor], None] | None = None,
+) -> torch.Tensor:
+    """sum_p aux_p over the packs of a micro-batch: each pack's load-balancing loss as if it ran alone.
+
+    ``router_logits`` holds one ``[tokens, E]`` tensor per MoE layer (the model's ``router_logits``) for
+    the batch's tokens in order; ``pack_ids [..., tokens]`` says which pack each token is in, 0 ..
+    ``num_packs`` - 1, or -1 for filler, which counts nowhere. For pack p with real tokens R_p over L
+    layers, with ``probs = softmax(router_logits)`` and each token's top-k experts among them::
+
+        f_pe  = (slots (t, l), t in R_p, whose top-k includes e) / (|R_p| L)
+        P_pe  = (sum over t in R_p and the L layers of probs[t, e]) / (|R_p| L)
+        aux_p = E * sum_e f_pe * P_pe            (transformers' load_balancing_loss_func on pack p alone)
+
+        pack_ids [0 0 0 1 1 -1], E = 4, top-2: aux_0 from the first 3 tokens, aux_1 from the next 2
+
+    Under sequence parallelism a rank holds a slice of each pack. ``all_reduce`` sums the routing counts
+    and token totals over the group (they carry no gradient), and each rank returns the part of the sum
+    its own tokens' probabilities make, ``E * sum_e f_pe * (its share of P_pe)``: the ranks' results, and
+    their gradients, add up to the whole pack's. The result is float32 (float64 for a float64 model).
+    """
+    ids = pack_ids.reshape(-1)
+    real = ids >= 0
+    ids = ids[real]
+    experts, tokens = spec.num_experts, len(real)
+    dtype = _loss_dtype(router_logits[0].dtype)
+    device = router_logits[0].device
+    counts = torch.zeros(num_packs * experts, dtype=torch.float64, device=device)
+    probs_sum = torch.zeros(num_packs, experts, dtype=dtype, device=device)
+    for layer in router_logits:
+        if layer.shape[-1] != experts or layer.numel() != tokens * experts:
+            raise ModelError(
+                f"router logits of shape {tuple(layer.shape)} are not [{tokens} tokens, {experts} experts]: "
+                "this family routes in a way the router loss does not follow; set output_router_logits = false"
+            )
+        # softmax in the logits' dtype and top-k of that, as transformers does
+        probs = torch.softmax(layer.reshape(tokens, experts), dim=-1)[real]
+        chosen = probs.topk(spec.top_k, dim=-1).indices
+        slots = (ids[:, None] * experts + chosen).reshape(-1)
+        counts.index_add_(0, slots, torch.ones(len(slots), dtype=torch.float64, device=device))
+        probs_sum = probs_sum.index_add(0, ids, probs.to(dtype))
+    totals = torch.cat([counts, torch.bincount(ids, minlength=num_packs).double() * len(router_logits)])
+    if all_reduce is not None:
+        all_reduce(totals)
+    counts, slots = totals[:-num_packs].view(num_packs, experts), totals[-num_packs:].clamp(min=1)[:, None]
+    fractions = (counts / slots).to(dtype)
+    return experts * (fractions * probs_sum / slots.to(dtype)).sum()
+
+
+@dataclass(frozen=True)
+class LossSums:
+    """One micro-batch's parts of the step's objective, before the step's denominators divide them."""
+
+    tokens: torch.Tensor  # S = sum_t w_t * CE_t
+    router: torch.Tensor | None  # sum_p aux_p over the batch's packs (this rank's part); None: no router loss
+    router_coefficient: float  # what the objective multiplies the router loss by; 0 without one
+
+
+def loss_sums(
+    model: nn.Module,
+    batch: Mapping[str, Any],
+    *,
+    chunk_size: int = 4096,
+    read_head: HeadReader = linear_head,
+    sequence_parallel_group: Any = None,
+) -> LossSums:
+    """``S`` (see :func:`weighted_loss_sum`) and, for an MoE model whose own loss adds one, the router loss.
+
+    The router loss is :func:`router_loss_sum` over the batch's ``pack_ids`` (``PackCollator``).
+    A batch that holds a slice of its packs (``shift_labels``: sequence parallelism) needs the
+    ``sequence_parallel_group`` its slices are spread over, to sum the routing counts.
+    """
+    spec = router_loss_spec(_unwrapped(model))
+    if spec is not None and "pack_ids" not in batch:
+        raise ValueError("the router loss is per pack: the batch needs the pack_ids PackCollator writes")
+    if spec is not None and "shift_labels" in batch and sequence_parallel_group is None:
+        raise ValueError(
+            "a batch that is a slice of its packs needs the sequence-parallel group for the router loss"
+        )
+    outputs, tokens = _forward(model, batch, chunk_size, read_head)
+    if spec is None:
+        return LossSums(tokens, None, 0.0)
+    router_logits = getattr(outputs, "router_logits", None)
+    if not router_logits:
+        raise ModelError(
+            f"{type(_unwrapped(model)).__name__}: output_router_logits is on, but no router_logits came out"
+        )
+    all_reduce = None
+    if sequence_parallel_group is not None:
+        all_reduce = functools.partial(torch.distributed.all_reduce, group=sequence_parallel_group)
+    router = router_loss_sum(
+        router_logits, batch["pack_ids"], batch["num_packs"], spec, all_reduce=all_reduce
+    )
+    return LossSums(tokens, router, spec.coefficient)
+
+
 def weighted_loss_sum(
     model: nn.Module, batch: Mapping[str, Any], *, chunk_size: int = 4096, read_head: HeadReader = linear_head
 ) -> torch.Tensor:
@@ -481,12 +619,23 @@ def weighted_loss_sum(
 
     ``model`` may be wrapped (DDP, FSDP, DeepSpeed: anything exposing ``.module``); the LM head is found on
     the model inside, and read with ``read_head``. Every position of the batch reaches the head
-    (``logits_to_keep=0``); labels mark non-targets with -100.
+    (``logits_to_keep=0``); labels mark non-targets with -100. A router loss is not part of ``S``
+    (:func:`loss_sums` adds it).
     """
-    inner = model
-    while hasattr(inner, "module"):
-        inner = inner.module
+    return _forward(model, batch, chunk_size, read_head)[1]
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _forward(
+    model: nn.Module, batch: Mapping[str, Any], chunk_size: int, read_head: HeadReader
+) -> tuple[Any, torch.Tensor]:
+    """The model's outputs, and ``S`` as they carry it."""
     inputs = {key: batch[key] for key in MODEL_INPUT_KEYS if key in batch}
-    with LossHead(inner, batch, chunk_size=chunk_size, read_head=read_head) as head:
+    with LossHead(_unwrapped(model), batch, chunk_size=chunk_size, read_head=read_head) as head:
         outputs = model(**inputs, use_cache=False, logits_to_keep=0)
-    return head.returned_sum(outputs.logits)
+    return outputs, head.returned_sum(outputs.logits)

@@ -1,6 +1,15 @@
 import pytest
 import torch
-from conftest import FLOAT32_BOUND, FLOAT64_BOUND, TINY, assert_relatively_close, pack_row, tiny_model
+from conftest import (
+    FLOAT32_BOUND,
+    FLOAT64_BOUND,
+    TINY,
+    assert_relatively_close,
+    pack_row,
+    relative_error,
+    tiny_model,
+    tiny_moe,
+)
 from torch.nn import functional as F
 from transformers import (
     Cohere2Config,
@@ -16,10 +25,21 @@ from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
 )
+from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 import longalign.patch
 from longalign.batching import PackCollator, PaddedCollator
-from longalign.loss import LossHead, lm_head_spec, weighted_loss_sum, weighted_token_loss
+from longalign.loss import (
+    MODEL_INPUT_KEYS,
+    LossHead,
+    RouterLoss,
+    lm_head_spec,
+    loss_sums,
+    router_loss_spec,
+    router_loss_sum,
+    weighted_loss_sum,
+    weighted_token_loss,
+)
 
 X = -100
 VOCAB, HIDDEN = TINY["vocab_size"], TINY["hidden_size"]
@@ -430,3 +450,75 @@ def test_lm_head_spec_rejects_what_it_cannot_apply():
     model.lm_head = ScaledHead(HIDDEN, VOCAB, bias=False)
     with pytest.raises(ValueError, match="output layer is ScaledHead"):
         lm_head_spec(model)
+
+
+# --- the router (load-balancing) loss --------------------------------------------------------------------
+
+EXPERTS = RouterLoss(coefficient=0.5, num_experts=4, top_k=2)
+
+
+def test_router_loss_is_each_packs_own_load_balancing_loss():
+    """Two packs (one padded to a fixed length) and an inactive row in one micro-batch: the sum of
+    transformers' load-balancing loss of each pack run alone. Filler and inactive rows count nowhere."""
+    model = tiny_moe()
+    rows = [pack_row(long_samples()[:2]), pack_row(long_samples()[2:])]
+    batch = PackCollator(weighting="token_level", pad_packs_to=40)([*rows, {**rows[0], "active": False}])
+    assert batch["num_packs"] == 2 and set(batch["pack_ids"].unique().tolist()) == {-1, 0, 1}
+    with torch.no_grad():
+        sums = loss_sums(model, batch, chunk_size=7)
+        alone = 0.0
+        for row in rows:
+            one = PackCollator(weighting="token_level")([row])
+            router_logits = model(
+                **{key: one[key] for key in MODEL_INPUT_KEYS if key in one}, use_cache=False
+            ).router_logits
+            alone += float(load_balancing_loss_func(router_logits, EXPERTS.num_experts, EXPERTS.top_k))
+    assert router_loss_spec(model) == EXPERTS and sums.router_coefficient == 0.5
+    # transformers sums the routing statistics in float32
+    assert_relatively_close(sums.router, alone, FLOAT32_BOUND)
+
+
+def test_router_loss_of_a_packs_slices_adds_up_to_the_packs():
+    """Slices of the tokens (the ranks of a sequence-parallel group), their counts summed over the slices:
+    the slices' router losses and their gradients add up to the whole batch's, in float64."""
+    generator = torch.Generator().manual_seed(3)
+    router_logits = [torch.randn(24, 4, generator=generator, dtype=torch.float64) * 3 for _ in range(3)]
+    leaves = [logits.requires_grad_() for logits in router_logits]
+    pack_ids = torch.tensor([0] * 10 + [1] * 9 + [-1] * 5)
+    whole = router_loss_sum(leaves, pack_ids, 2, EXPERTS)
+    want = torch.autograd.grad(whole, leaves)
+
+    cuts = [slice(0, 8), slice(8, 16), slice(16, 24)]  # the second cut holds the end of pack 0 and pack 1
+    recorded = []
+    for cut in cuts:  # what each slice would put into the group's all-reduce
+        router_loss_sum([x[cut] for x in leaves], pack_ids[cut], 2, EXPERTS, all_reduce=recorded.append)
+    summed = sum(recorded)
+    parts = [
+        router_loss_sum(
+            [x[cut] for x in leaves], pack_ids[cut], 2, EXPERTS, all_reduce=lambda t: t.copy_(summed)
+        )
+        for cut in cuts
+    ]
+    assert_relatively_close(sum(parts), whole, FLOAT64_BOUND)
+    assert_relatively_close(torch.autograd.grad(sum(parts), leaves), want, FLOAT64_BOUND)
+    alone = [router_loss_sum([x[cut] for x in leaves], pack_ids[cut], 2, EXPERTS) for cut in cuts]
+    assert (
+        relative_error(sum(alone), whole) > 1e-3
+    )  # the test can fail: a slice's own counts are not the pack's
+
+
+def test_router_loss_runs_only_when_the_family_adds_one():
+    assert router_loss_spec(tiny_moe(output_router_logits=False)) is None
+    assert router_loss_spec(tiny_model("llama")) is None
+    no_coefficient = tiny_moe()
+    del no_coefficient.router_aux_loss_coef  # a family whose forward adds no router term (DeepSeek-V3, ...)
+    assert router_loss_spec(no_coefficient) is None
+
+
+def test_router_logits_of_another_shape_are_refused():
+    """A family that routes otherwise (Doge's product keys give [2, tokens, keys]) is named, not guessed."""
+    odd = [torch.zeros(2, 6, 2)]
+    with pytest.raises(
+        ValueError, match=r"router logits of shape \(2, 6, 2\) are not \[6 tokens, 4 experts\]"
+    ):
+        router_loss_sum(odd, torch.zeros(6, dtype=torch.long), 1, EXPERTS)
