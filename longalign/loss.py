@@ -9,8 +9,10 @@ and what a sharded row must keep)::
    ``use_cache=False`` and ``logits_to_keep=0``. While :class:`LossHead` is installed on the unwrapped
    model, the output layer's ``forward`` receives the final hidden states ``[B, T, H]`` and returns the
    micro-batch's weighted loss sum ``S = sum_t w_t * CE_t`` (shape ``[1, 1, 1]``; float32, or float64 for a
-   float64 model) in place of logits; the model output's ``logits`` field carries ``S`` out. Nothing after the head may transform it,
-   so models that scale or soft-cap their logits after the head are refused.
+   float64 model) in place of logits; the model output's ``logits`` field carries ``S`` out. A family that
+   scales or soft-caps its logits after the head (:data:`LOGIT_TRANSFORMS`) gets that transform inside the
+   loss, its own held neutral meanwhile; a model that changes ``S`` after the head in any other way is
+   refused (:meth:`LossHead.returned_sum`).
 2. **Targets.** The batch carries ``labels`` and ``loss_weights`` aligned with the tokens the model sees.
    By default position ``t`` predicts ``labels[t + 1]`` inside its row (labels not shifted, as the
    collator writes them). A batch that holds only a slice of a row, where the next label may sit in
@@ -28,7 +30,8 @@ and what a sharded row must keep)::
    say, an adapter's gradient comes out of the same backward.
 
 The trainer divides ``S`` by the step's denominator (the sum of ``loss_weights`` over all micro-batches
-and ranks of the step).
+and ranks of the step). A mixture-of-experts model whose own loss adds a router (load-balancing) loss gets
+it per pack from the router logits its forward returns (:func:`loss_sums`, :func:`router_loss_sum`).
 
 Memory: logits are computed in the model's dtype and upcast to float32 per chunk (as transformers' own
 loss upcasts); softmax and cross-entropy run in float32 (in float64 for a float64 model, which is how the

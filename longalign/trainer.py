@@ -237,7 +237,7 @@ class LongAlignTrainer(Trainer):
         if sums.router is not None:
             router = sums.router / max(packs, 1)
             loss = loss + sums.router_coefficient * router * self.accelerator.num_processes
-            if self.model.training:
+            if model.training:
                 done = self._router_window if self._router_window is not None else 0.0
                 self._router_window = done + router.detach().double()
         return (loss, None) if return_outputs else loss
