@@ -561,10 +561,11 @@ def router_loss_sum(
         counts.index_add_(0, slots, torch.ones(len(slots), dtype=torch.float64, device=device))
         probs_sum = probs_sum.index_add(0, ids, probs.to(dtype))
     totals = torch.cat([counts, torch.bincount(ids, minlength=num_packs).double() * len(router_logits)])
-    if all_reduce is not None:
+    if all_reduce is not None and num_packs:  # a group's ranks hold the same packs: all skip, or none
         all_reduce(totals)
-    counts, slots = totals[:-num_packs].view(num_packs, experts), totals[-num_packs:].clamp(min=1)[:, None]
-    fractions = (counts / slots).to(dtype)
+    counts, slots = totals.split([num_packs * experts, num_packs])
+    slots = slots.clamp(min=1)[:, None]
+    fractions = (counts.view(num_packs, experts) / slots).to(dtype)
     return experts * (fractions * probs_sum / slots.to(dtype)).sum()
 
 

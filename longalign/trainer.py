@@ -104,12 +104,9 @@ class LongAlignTrainer(Trainer):
         self.save_with_model = dict(save_with_model or {})  # JSON files next to every saved model or adapter
         self._checkpointing = False
         self._window = {"tokens": 0.0, "samples": 0.0, "packs": 0.0, "steps": 0, "start": 0.0}
-        self._step_packs = (
-            0.0  # P: the packs of the current optimizer step, over all its micro-batches and ranks
-        )
-        self._router_window: torch.Tensor | None = (
-            None  # this rank's part of sum over steps of sum_p aux_p / P
-        )
+        # P: the packs of the current optimizer step, over all its micro-batches and ranks (the router loss's)
+        self._step_packs = 0.0
+        self._router_window: torch.Tensor | None = None  # this rank's part of the window's sum_p aux_p / P
 
     # --- data ------------------------------------------------------------------------------------------
 

@@ -522,3 +522,15 @@ def test_router_logits_of_another_shape_are_refused():
         ValueError, match=r"router logits of shape \(2, 6, 2\) are not \[6 tokens, 4 experts\]"
     ):
         router_loss_sum(odd, torch.zeros(6, dtype=torch.long), 1, EXPERTS)
+
+
+def test_a_micro_batch_without_packs_adds_no_router_loss():
+    """Only filler (a group's inactive copy of a pack at the end of an epoch): exactly 0, no collective."""
+    router_logits = [torch.randn(6, 4, dtype=torch.float64, requires_grad=True)]
+
+    def no_collective(totals):
+        raise AssertionError("called")
+
+    total = router_loss_sum(router_logits, torch.full((6,), -1), 0, EXPERTS, all_reduce=no_collective)
+    total.backward()
+    assert total.item() == 0.0 and torch.equal(router_logits[0].grad, torch.zeros(6, 4, dtype=torch.float64))
