@@ -16,6 +16,7 @@ trainer can normalise exactly::
     cu_seq_lens     [0, 3, 5, 8]                            max_length 3
     loss_weights    token_level:     0  1  1 | 0  1 | 0  1  1      sum 5 = sum_i N_i
                     sequence_level:  0 .5 .5 | 0  1 | 0 .5 .5      sum 3 = M (samples with N_i > 0)
+    pack_ids        0   0   0  | 0   0  | 1   1   1                 (-1 for filler; the router loss is per pack)
 
 Labels are not shifted: ``labels[t]`` is predicted from position ``t - 1``. Masking the first label of each
 sample means the last token of B never learns to predict c0, whatever the loss does with the shift.
@@ -83,8 +84,10 @@ class PackCollator:
     all masked, so it weighs nothing. Returns ``input_ids``, ``labels``, ``position_ids`` and
     ``loss_weights`` of shape ``[1, T]``, ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (int32, equal),
     ``max_length_q`` / ``max_length_k`` (int), ``loss_denominator`` (float: this micro-batch's share of
-    the step's denominator D) and the counts ``num_packs`` / ``num_samples`` / ``num_tokens`` of the active
-    rows (own tokens, no filler); see the module docstring for a worked example. The step's loss is
+    the step's denominator D), the counts ``num_packs`` / ``num_samples`` / ``num_tokens`` of the active
+    rows (own tokens, no filler), and ``pack_ids [1, T]``: which active row each token belongs to, 0 ..
+    ``num_packs`` - 1, and -1 for filler tokens and inactive rows; see the module docstring for a worked
+    example. The step's loss is
     sum(w * CE) / sum(loss_denominator) over all micro-batches and ranks of the step. Per weighting, with
     N_i the targets of sample i:
 
@@ -143,16 +146,19 @@ class PackCollator:
         ]
         num_tokens = sum(len(row_ids) for row_ids, on in zip(ids, active, strict=True) if on)
         num_samples = [len(lens) for lens in per_row]
+        own_lengths = [len(row_ids) for row_ids in ids]
         if self.pad_packs_to is not None:
             ids, labels, per_row = self._pad(ids, labels, per_row)
         seq_lens = torch.cat(per_row)
         input_ids, labels = torch.cat(ids), torch.cat(labels)
+        pack_ids = _pack_ids([len(row_ids) for row_ids in ids], own_lengths, active)
         # One filler at the end: to the multiple asked, and to equal slices for the ranks of a group.
         filler = -len(input_ids) % math.lcm(self.pad_to_multiple_of, self.sequence_parallel_size)
         if filler:
             seq_lens = torch.cat([seq_lens, torch.tensor([filler])])
             input_ids = torch.cat([input_ids, torch.full((filler,), self.pad_token_id)])
             labels = torch.cat([labels, torch.full((filler,), self.ignore_index)])
+            pack_ids = torch.cat([pack_ids, torch.full((filler,), -1)])
         exact = self.weighting in EXACT_WEIGHTINGS
         labels, weights = mask_and_weigh(
             labels, seq_lens, self.weighting if exact else "token_level", self.ignore_index
@@ -178,6 +184,7 @@ class PackCollator:
             "max_length_q": max_length,
             "max_length_k": max_length,
             "loss_weights": weights[None],
+            "pack_ids": pack_ids[None],
             "loss_denominator": denominator,
             "num_tokens": num_tokens,
             "num_packs": sum(active),
@@ -206,8 +213,23 @@ class PackCollator:
         return padded
 
 
+def _pack_ids(row_lengths: list[int], own_lengths: list[int], active: list[bool]) -> torch.Tensor:
+    """Each token's pack: active rows numbered 0, 1, ... in order; padding and inactive rows -1.
+
+    rows of 4, 3, 3 tokens (the first padded from 2), active [True, False, True] -> [0 0 -1 -1 -1 -1 -1 1 1 1]
+    """
+    pieces, number = [], 0
+    for length, own, on in zip(row_lengths, own_lengths, active, strict=True):
+        piece = torch.full((length,), -1)
+        if on:
+            piece[:own] = number
+            number += 1
+        pieces.append(piece)
+    return torch.cat(pieces)
+
+
 # Keys of a batch that run along its tokens: a shard keeps its slice of each.
-_TOKEN_KEYS = ("input_ids", "labels", "position_ids", "loss_weights")
+_TOKEN_KEYS = ("input_ids", "labels", "position_ids", "loss_weights", "pack_ids")
 
 
 def shard_batch(
@@ -237,7 +259,7 @@ def shard_batch(
     shift_labels = torch.cat([batch["labels"][..., 1:], ignored], dim=-1)
     shift_weights = torch.nn.functional.pad(batch["loss_weights"][..., 1:], (0, 1))
     own = slice(rank * (length // size), (rank + 1) * (length // size))
-    out = {**batch, **{key: batch[key][..., own] for key in _TOKEN_KEYS}}
+    out = {**batch, **{key: batch[key][..., own] for key in _TOKEN_KEYS if key in batch}}
     out["shift_labels"] = shift_labels[..., own]
     out["shift_loss_weights"] = shift_weights[..., own]
     out["loss_denominator"] = float(out["loss_weights"].double().sum())  # the group's sum is the pack's

@@ -9,8 +9,10 @@ and what a sharded row must keep)::
    ``use_cache=False`` and ``logits_to_keep=0``. While :class:`LossHead` is installed on the unwrapped
    model, the output layer's ``forward`` receives the final hidden states ``[B, T, H]`` and returns the
    micro-batch's weighted loss sum ``S = sum_t w_t * CE_t`` (shape ``[1, 1, 1]``; float32, or float64 for a
-   float64 model) in place of logits; the model output's ``logits`` field carries ``S`` out. Nothing after the head may transform it,
-   so models that scale or soft-cap their logits after the head are refused.
+   float64 model) in place of logits; the model output's ``logits`` field carries ``S`` out. A family that
+   scales or soft-caps its logits after the head (:data:`LOGIT_TRANSFORMS`) gets that transform inside the
+   loss, its own held neutral meanwhile; a model that changes ``S`` after the head in any other way is
+   refused (:meth:`LossHead.returned_sum`).
 2. **Targets.** The batch carries ``labels`` and ``loss_weights`` aligned with the tokens the model sees.
    By default position ``t`` predicts ``labels[t + 1]`` inside its row (labels not shifted, as the
    collator writes them). A batch that holds only a slice of a row, where the next label may sit in
@@ -28,7 +30,8 @@ and what a sharded row must keep)::
    say, an adapter's gradient comes out of the same backward.
 
 The trainer divides ``S`` by the step's denominator (the sum of ``loss_weights`` over all micro-batches
-and ranks of the step).
+and ranks of the step). A mixture-of-experts model whose own loss adds a router (load-balancing) loss gets
+it per pack from the router logits its forward returns (:func:`loss_sums`, :func:`router_loss_sum`).
 
 Memory: logits are computed in the model's dtype and upcast to float32 per chunk (as transformers' own
 loss upcasts); softmax and cross-entropy run in float32 (in float64 for a float64 model, which is how the
@@ -40,13 +43,14 @@ buffer. ``benchmarks/loss_memory.py`` compares it with transformers' full-logits
 
 from __future__ import annotations
 
-import re
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from longalign.errors import ConfigError, ModelError
 
@@ -260,17 +264,61 @@ class LMHead:
     final_logit_softcap: float | None  # softcap * tanh(logits / softcap); None = no cap
 
 
-# Config fields that transform the logits, and the factor each puts on them.
-_LOGIT_SCALE_FIELDS = {
-    "logit_scale": lambda value: value,  # Cohere: logits * logit_scale
-    "lm_head_multiplier": lambda value: value,  # Falcon-H1: logits * lm_head_multiplier
-    "logits_scaling": lambda value: 1 / value,  # Granite: logits / logits_scaling
-}
-_SOFTCAP_FIELD = "final_logit_softcapping"  # Gemma 2/3: softcap * tanh(logits / softcap)
-# Other config fields that look like they touch the logits (unsupported unless None); attention and
-# router soft-caps and initialisation values act elsewhere.
-_LOGIT_LIKE_FIELD = re.compile(r"(logit|lm_head|output).*(scal|mult|cap)|(scal|mult|cap).*logit")
-_NOT_OUTPUT_FIELD = re.compile(r"attn|attention|router|init")
+@dataclass(frozen=True)
+class LogitTransform:
+    """How a family transforms its logits after the LM head, as its ``ForCausalLM.forward`` does it."""
+
+    field: str  # the name the forward reads; dotted for an attribute of a submodule
+    read_from: str  # "config": the text config, every forward; "module": the causal LM, set at init
+    kind: str  # "multiply": logits * v; "divide": logits / v; "softcap": v * tanh(logits / v), off if None
+
+
+# The families whose causal LM transforms the logits after ``self.lm_head(...)`` (transformers 5.24), by
+# ``config.model_type``. Any other transform after the head is caught by the check on the model's output
+# (:meth:`LossHead.returned_sum`). Families that transform always, with no neutral value (Inkling's softcap
+# module, RecurrentGemma, xLSTM), are left to that check.
+LOGIT_TRANSFORMS: dict[str, LogitTransform] = {
+    **dict.fromkeys(  # Granite 3.x: logits / 16
+        ("granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared"),
+        LogitTransform("logits_scaling", "config", "divide"),
+    ),
+    "hyperclovax": LogitTransform("logits_scaling", "config", "multiply"),  # multiplies, unlike Granite
+    **dict.fromkeys(
+        ("cohere", "cohere2", "cohere2_moe", "cohere_compass_text"),
+        LogitTransform("logit_scale", "module", "multiply"),
+    ),
+    "falcon_h1": LogitTransform("model.lm_head_multiplier", "module", "multiply"),
+    **dict.fromkeys(  # Gemma 3's multimodal class (model_type "gemma3") does not cap in 5.24
+        (
+            "gemma2", "gemma3_text", "gemma3n", "gemma3n_text", "gemma4", "gemma4_text", "gemma4_unified",
+            "gemma4_unified_text", "vaultgemma", "nanochat", "beam",
+        ),
+        LogitTransform("final_logit_softcapping", "config", "softcap"),
+    ),
+}  # fmt: skip
+# What each kind is held at while the loss runs inside the head: the forward then leaves S as it is.
+_NEUTRAL = {"multiply": 1.0, "divide": 1.0, "softcap": None}
+
+
+def logit_transform(model: nn.Module) -> tuple[LogitTransform, Any, str] | None:
+    """The row of :data:`LOGIT_TRANSFORMS` for ``model``, the object holding its value, and the name there.
+
+    ``model`` is a transformers causal LM, or a wrapper that hands it out with ``get_base_model()`` (PEFT).
+    The value is ``getattr(holder, name)``; None when the family has no transform after its head::
+
+        GraniteForCausalLM   ->  (LogitTransform("logits_scaling", ...), model.config, "logits_scaling")
+        FalconH1ForCausalLM  ->  (LogitTransform("model.lm_head_multiplier", ...), model.model,
+                                  "lm_head_multiplier")
+    """
+    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    transform = LOGIT_TRANSFORMS.get(getattr(causal_lm.config, "model_type", None))
+    if transform is None:
+        return None
+    *path, name = transform.field.split(".")
+    holder = causal_lm.config.get_text_config() if transform.read_from == "config" else causal_lm
+    for part in path:
+        holder = getattr(holder, part)
+    return transform, holder, name
 
 
 LinearInputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # hidden, weight, bias
@@ -300,43 +348,40 @@ def _read(model: nn.Module, head: nn.Module, read_head: HeadReader) -> Callable[
 
 
 def lm_head_spec(model: nn.Module, read_head: HeadReader = linear_head) -> LMHead:
-    """The output layer of a transformers causal LM, with any logit scale or soft-cap from its config.
+    """The output layer of a transformers causal LM, with the logit scale or soft-cap its family applies.
 
-    Raises ``ModelError`` naming the module class or config field when the model's logits are computed
-    in a way this loss does not reproduce. Read it every step, after ``forward_hidden``: sharding
-    backends may swap the parameter objects between steps. For a head with a LoRA adapter, ``weight``
-    is its frozen base (its ``read_head`` adds the adapter).
+    The scale and soft-cap are read where the family's forward reads them (:data:`LOGIT_TRANSFORMS`):
+    Granite 3.x (``logits_scaling`` 16) gives ``logit_scale`` 1/16, Gemma 2 ``final_logit_softcap`` 30.
+    Raises ``ModelError`` naming the module class or the field when the output layer or the value is
+    one this loss does not reproduce. For a head with a LoRA adapter, ``weight`` is its frozen base (its
+    ``read_head`` adds the adapter).
     """
     head = model.get_output_embeddings()
     _read(model, head, read_head)
-    config = model.config.get_text_config()
-    for name, value in config.to_dict().items():
-        if value is not None and _LOGIT_LIKE_FIELD.search(name) and not _NOT_OUTPUT_FIELD.search(name):
-            if name not in _LOGIT_SCALE_FIELDS and name != _SOFTCAP_FIELD:
-                raise ModelError(_unsupported_field(model, name, value))
-    scale = 1.0
-    # getattr, not to_dict: some configs (MiniCPM3's logits_scaling) derive the field as a property.
-    for name, factor in _LOGIT_SCALE_FIELDS.items():
-        value = getattr(config, name, None)
+    scale, softcap = None, None
+    found = logit_transform(model)
+    if found is not None:
+        transform, holder, name = found
+        value = getattr(holder, name, None)
         if value is not None:
-            if not isinstance(value, int | float):
-                raise ModelError(_unsupported_field(model, name, value))
-            scale *= factor(value)
-    softcap = getattr(config, _SOFTCAP_FIELD, None)
-    if softcap is not None and not isinstance(softcap, int | float):
-        raise ModelError(_unsupported_field(model, _SOFTCAP_FIELD, softcap))
+            if not isinstance(value, int | float) or (transform.kind != "multiply" and value == 0):
+                raise ModelError(_unsupported_field(model, transform.field, value))
+            if transform.kind == "softcap":
+                softcap = float(value)
+            else:
+                scale = float(value) if transform.kind == "multiply" else 1 / float(value)
     return LMHead(
         weight=head.weight,
         bias=head.bias,
-        logit_scale=None if scale == 1.0 else float(scale),
-        final_logit_softcap=None if softcap is None else float(softcap),
+        logit_scale=None if scale == 1.0 else scale,
+        final_logit_softcap=softcap,
     )
 
 
 def _unsupported_field(model: nn.Module, name: str, value: Any) -> str:
     return (
-        f"{type(model).__name__}: config field {name!r} = {value!r} changes the logits in a way the "
-        "chunked loss does not apply"
+        f"{type(model).__name__}: {name!r} = {value!r} transforms the logits in a way the chunked loss "
+        "does not apply"
     )
 
 
@@ -345,11 +390,14 @@ class LossHead:
 
     A context manager around one forward call of the (possibly wrapped) model::
 
-        with LossHead(inner_model, batch, chunk_size=4096):
-            s = model(**inputs, use_cache=False, logits_to_keep=0).logits.reshape(())
+        with LossHead(inner_model, batch, chunk_size=4096) as head:
+            outputs = model(**inputs, use_cache=False, logits_to_keep=0)
+        s = head.returned_sum(outputs.logits)
 
-    On entry the head is checked (:func:`lm_head_spec`) and its ``forward`` is replaced on the instance;
-    on exit the class's own ``forward`` is back, whatever happened in between.
+    On entry the head is checked (:func:`lm_head_spec`), its ``forward`` is replaced on the instance, and
+    the family's own transform after the head (:data:`LOGIT_TRANSFORMS`) is held neutral (scale 1,
+    soft-cap off), since the loss applies it inside; on exit all of it is back, whatever happened in
+    between.
     """
 
     def __init__(
@@ -360,18 +408,16 @@ class LossHead:
         chunk_size: int,
         read_head: HeadReader = linear_head,
     ) -> None:
-        spec = lm_head_spec(model, read_head)
-        if spec.logit_scale is not None or spec.final_logit_softcap is not None:
-            raise ModelError(
-                f"{type(model).__name__}: the model scales or soft-caps its logits after the LM head, which "
-                "the loss computed inside the LM head cannot follow"
-            )
+        self.spec = lm_head_spec(model, read_head)
+        self.model = model
         self.head = model.get_output_embeddings()
         self.as_linear = _read(model, self.head, read_head)
         self.shifted = "shift_labels" in batch
         prefix = "shift_" if self.shifted else ""
         self.labels, self.weights = batch[prefix + "labels"], batch[prefix + "loss_weights"]
         self.chunk_size = chunk_size
+        self.returned: torch.Tensor | None = None  # S as the head returned it, last call
+        self._held: tuple[Any, str, Any] | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """What the head computes while installed: ``S`` as ``[1, 1, 1]`` from ``hidden [B, T, H]``."""
@@ -382,17 +428,192 @@ class LossHead:
             self.labels,
             self.weights,
             lm_head_bias=bias,
+            logit_scale=self.spec.logit_scale,
+            final_logit_softcap=self.spec.final_logit_softcap,
             chunk_size=self.chunk_size,
             shifted=self.shifted,
         )
+        self.returned = total.detach()
         return total.reshape(1, 1, 1)
+
+    def returned_sum(self, logits: torch.Tensor) -> torch.Tensor:
+        """``S`` as the model's output carries it (``outputs.logits``), checked to be what the head returned.
+
+        Backward must run through this tensor, not through the head's own: sharding backends (FSDP,
+        ZeRO-3) hook the head's output to gather its weight for backward. Raises ``ModelError`` when the
+        model changed it after the head (a transform this module does not know), so no transform is
+        ever silently applied on top of the loss. A cast to float32 is the one change let through.
+        """
+        if self.returned is None or not _same_value(logits, self.returned):
+            raise ModelError(
+                f"{type(self.model).__name__} transforms the LM head's output in a way longalign does not "
+                "apply (its logits are not the loss sum the head returned); the chunked loss cannot train it"
+            )
+        return logits.reshape(())
 
     def __enter__(self) -> LossHead:
         self.head.forward = self.forward
+        found = logit_transform(self.model)
+        if found is not None and getattr(found[1], found[2], None) is not None:
+            transform, holder, name = found
+            self._held = (holder, name, getattr(holder, name))
+            setattr(holder, name, _NEUTRAL[transform.kind])
         return self
 
     def __exit__(self, *exc: object) -> None:
         del self.head.forward
+        if self._held is not None:
+            holder, name, value = self._held
+            setattr(holder, name, value)
+            self._held = None
+
+
+def _same_value(logits: torch.Tensor, returned: torch.Tensor) -> bool:
+    """``logits`` holds exactly ``returned`` (NaN matching NaN), or its float32 cast; fake tensors pass."""
+    if logits.numel() != 1 or logits.dtype not in (returned.dtype, torch.float32):
+        return False
+    if is_fake(logits):  # a memory simulation's tensors carry no values
+        return True
+    expected = returned.to(logits.dtype).reshape(())
+    return bool(torch.allclose(logits.detach().reshape(()), expected, rtol=0, atol=0, equal_nan=True))
+
+
+@dataclass(frozen=True)
+class RouterLoss:
+    """What the load-balancing loss of a mixture-of-experts model needs, read where its forward reads it."""
+
+    coefficient: float  # the causal LM's router_aux_loss_coef: the loss adds coefficient x aux
+    num_experts: int  # E
+    top_k: int  # experts each token is routed to
+
+
+def router_loss_spec(model: nn.Module) -> RouterLoss | None:
+    """The router loss ``model``'s own loss adds, or None when it adds none.
+
+    A transformers MoE causal LM adds ``router_aux_loss_coef * load_balancing_loss_func(router_logits,
+    num_experts, num_experts_per_tok)`` to its loss when its config has ``output_router_logits`` on (Mixtral,
+    Qwen2/3-MoE, OLMoE, gpt-oss, Granite-MoE, Jamba, DBRX, ...); the three values are attributes its
+    ``__init__`` copies from the config, and are read there. Families whose forward adds no router term
+    (DeepSeek-V3, GLM-4.5, Llama 4 in transformers 5.24) have no ``router_aux_loss_coef`` attribute and get
+    none here either. ``model`` may be in a PEFT wrapper.
+    """
+    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not getattr(causal_lm.config.get_text_config(), "output_router_logits", False):
+        return None
+    coefficient = getattr(causal_lm, "router_aux_loss_coef", None)
+    if coefficient is None:
+        return None
+    values = {name: getattr(causal_lm, name, None) for name in ("num_experts", "num_experts_per_tok")}
+    missing = [name for name, value in values.items() if not isinstance(value, int)]
+    if missing or not isinstance(coefficient, int | float):
+        unread = ", ".join(missing) or "router_aux_loss_coef"
+        raise ModelError(
+            f"{type(causal_lm).__name__}: output_router_logits is on, but its {unread} is not a number the "
+            "router loss can read; set output_router_logits = false to train without it"
+        )
+    return RouterLoss(float(coefficient), values["num_experts"], values["num_experts_per_tok"])
+
+
+def router_loss_sum(
+    router_logits: tuple[torch.Tensor, ...],
+    pack_ids: torch.Tensor,
+    num_packs: int,
+    spec: RouterLoss,
+    *,
+    all_reduce: Callable[[torch.Tensor], None] | None = None,
+) -> torch.Tensor:
+    """sum_p aux_p over the packs of a micro-batch: each pack's load-balancing loss as if it ran alone.
+
+    ``router_logits`` holds one ``[tokens, E]`` tensor per MoE layer (the model's ``router_logits``) for
+    the batch's tokens in order; ``pack_ids [..., tokens]`` says which pack each token is in, 0 ..
+    ``num_packs`` - 1, or -1 for filler, which counts nowhere. For pack p with real tokens R_p over L
+    layers, with ``probs = softmax(router_logits)`` and each token's top-k experts among them::
+
+        f_pe  = (slots (t, l), t in R_p, whose top-k includes e) / (|R_p| L)
+        P_pe  = (sum over t in R_p and the L layers of probs[t, e]) / (|R_p| L)
+        aux_p = E * sum_e f_pe * P_pe            (transformers' load_balancing_loss_func on pack p alone)
+
+        pack_ids [0 0 0 1 1 -1], E = 4, top-2: aux_0 from the first 3 tokens, aux_1 from the next 2
+
+    Under sequence parallelism a rank holds a slice of each pack. ``all_reduce`` sums the routing counts
+    and token totals over the group (they carry no gradient), and each rank returns the part of the sum
+    its own tokens' probabilities make, ``E * sum_e f_pe * (its share of P_pe)``: the ranks' results, and
+    their gradients, add up to the whole pack's. The result is float32 (float64 for a float64 model).
+    """
+    ids = pack_ids.reshape(-1)
+    real = ids >= 0
+    ids = ids[real]
+    experts, tokens = spec.num_experts, len(real)
+    dtype = _loss_dtype(router_logits[0].dtype)
+    device = router_logits[0].device
+    counts = torch.zeros(num_packs * experts, dtype=torch.float64, device=device)
+    probs_sum = torch.zeros(num_packs, experts, dtype=dtype, device=device)
+    for layer in router_logits:
+        if layer.shape[-1] != experts or layer.numel() != tokens * experts:
+            raise ModelError(
+                f"router logits of shape {tuple(layer.shape)} are not [{tokens} tokens, {experts} experts]: "
+                "this family routes in a way the router loss does not follow; set output_router_logits = false"
+            )
+        # softmax in the logits' dtype and top-k of that, as transformers does
+        probs = torch.softmax(layer.reshape(tokens, experts), dim=-1)[real]
+        chosen = probs.topk(spec.top_k, dim=-1).indices
+        slots = (ids[:, None] * experts + chosen).reshape(-1)
+        counts.index_add_(0, slots, torch.ones(len(slots), dtype=torch.float64, device=device))
+        probs_sum = probs_sum.index_add(0, ids, probs.to(dtype))
+    totals = torch.cat([counts, torch.bincount(ids, minlength=num_packs).double() * len(router_logits)])
+    if all_reduce is not None and num_packs:  # a group's ranks hold the same packs: all skip, or none
+        all_reduce(totals)
+    counts, slots = totals.split([num_packs * experts, num_packs])
+    slots = slots.clamp(min=1)[:, None]
+    fractions = (counts.view(num_packs, experts) / slots).to(dtype)
+    return experts * (fractions * probs_sum / slots.to(dtype)).sum()
+
+
+@dataclass(frozen=True)
+class LossSums:
+    """One micro-batch's parts of the step's objective, before the step's denominators divide them."""
+
+    tokens: torch.Tensor  # S = sum_t w_t * CE_t
+    router: torch.Tensor | None  # sum_p aux_p over the batch's packs (this rank's part); None: no router loss
+    router_coefficient: float  # what the objective multiplies the router loss by; 0 without one
+
+
+def loss_sums(
+    model: nn.Module,
+    batch: Mapping[str, Any],
+    *,
+    chunk_size: int = 4096,
+    read_head: HeadReader = linear_head,
+    sequence_parallel_group: Any = None,
+) -> LossSums:
+    """``S`` (see :func:`weighted_loss_sum`) and, for an MoE model whose own loss adds one, the router loss.
+
+    The router loss is :func:`router_loss_sum` over the batch's ``pack_ids`` (``PackCollator``).
+    A batch that holds a slice of its packs (``shift_labels``: sequence parallelism) needs the
+    ``sequence_parallel_group`` its slices are spread over, to sum the routing counts.
+    """
+    spec = router_loss_spec(_unwrapped(model))
+    if spec is not None and "pack_ids" not in batch:
+        raise ValueError("the router loss is per pack: the batch needs the pack_ids PackCollator writes")
+    if spec is not None and "shift_labels" in batch and sequence_parallel_group is None:
+        raise ValueError(
+            "a batch that is a slice of its packs needs the sequence-parallel group for the router loss"
+        )
+    outputs, tokens = _forward(model, batch, chunk_size, read_head)
+    if spec is None:
+        return LossSums(tokens, None, 0.0)
+    router_logits = getattr(outputs, "router_logits", None)
+    if not router_logits:
+        raise ModelError(
+            f"{type(_unwrapped(model)).__name__}: output_router_logits is on, but no router_logits came out"
+        )
+    all_reduce = None
+    if sequence_parallel_group is not None:
+        all_reduce = functools.partial(torch.distributed.all_reduce, group=sequence_parallel_group)
+    router = router_loss_sum(
+        router_logits, batch["pack_ids"], batch["num_packs"], spec, all_reduce=all_reduce
+    )
+    return LossSums(tokens, router, spec.coefficient)
 
 
 def weighted_loss_sum(
@@ -402,12 +623,23 @@ def weighted_loss_sum(
 
     ``model`` may be wrapped (DDP, FSDP, DeepSpeed: anything exposing ``.module``); the LM head is found on
     the model inside, and read with ``read_head``. Every position of the batch reaches the head
-    (``logits_to_keep=0``); labels mark non-targets with -100.
+    (``logits_to_keep=0``); labels mark non-targets with -100. A router loss is not part of ``S``
+    (:func:`loss_sums` adds it).
     """
-    inner = model
-    while hasattr(inner, "module"):
-        inner = inner.module
+    return _forward(model, batch, chunk_size, read_head)[1]
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _forward(
+    model: nn.Module, batch: Mapping[str, Any], chunk_size: int, read_head: HeadReader
+) -> tuple[Any, torch.Tensor]:
+    """The model's outputs, and ``S`` as they carry it."""
     inputs = {key: batch[key] for key in MODEL_INPUT_KEYS if key in batch}
-    with LossHead(inner, batch, chunk_size=chunk_size, read_head=read_head):
+    with LossHead(_unwrapped(model), batch, chunk_size=chunk_size, read_head=read_head) as head:
         outputs = model(**inputs, use_cache=False, logits_to_keep=0)
-    return outputs.logits.reshape(())
+    return outputs, head.returned_sum(outputs.logits)

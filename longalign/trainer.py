@@ -12,11 +12,18 @@ gradient of ``sum(S) / D`` however the samples were split into packs, micro-batc
       micro-batch 2                        S=2.0 (w 1)       S=0.5 (w 1)
       D = 2 + 1 + 1 + 1 = 5;  loss = (3 + 2 + 1 + 0.5) / 5, exactly, whatever the split
 
+A mixture-of-experts model whose own loss adds a router (load-balancing) loss (``output_router_logits``
+on) gets it per pack: the step's objective is ``sum(S) / D + coef * sum_p aux_p / P`` with P the packs of
+the whole step, counted before it as D is (``longalign.loss.router_loss_sum``); each micro-batch adds
+``coef * sum(aux_p of its packs) / P * W`` to its loss, and the logs carry the step's ``router_loss``
+(``sum_p aux_p / P``) next to the loss, which includes it.
+
 Under sequence parallelism (``sequence_parallel_size`` N > 1) every rank of a group of N holds a slice of
 the same pack, and its ``S_local`` covers the targets its slice predicts. The slices' weights sum to the
 pack's weight, so D, summed over all ranks, still counts every sample once, and the backward of
 ``S_local / D * W`` is unchanged: the all-reduce over all W ranks adds the slices' gradients up. Logged
-samples, packs and tokens count each pack once (the sums over ranks divided by N).
+samples, packs and tokens count each pack once (the sums over ranks divided by N). A router loss sums its
+routing counts over the group, so each rank's part of a pack's ``aux_p`` adds up to the whole pack's.
 
 Batches come from ``longalign.batching``; the loss from ``longalign.loss``. ``longalign.run`` builds the
 trainer from a run file.
@@ -42,7 +49,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from longalign.artifacts import write_json
 from longalign.batching import PackCollator, PackDataLoader, pack_loader
 from longalign.errors import ConfigError
-from longalign.loss import HeadReader, linear_head, weighted_loss_sum
+from longalign.loss import HeadReader, linear_head, loss_sums, weighted_loss_sum
 
 CHECKPOINT_RECORD = "longalign_checkpoint.json"
 
@@ -97,6 +104,9 @@ class LongAlignTrainer(Trainer):
         self.save_with_model = dict(save_with_model or {})  # JSON files next to every saved model or adapter
         self._checkpointing = False
         self._window = {"tokens": 0.0, "samples": 0.0, "packs": 0.0, "steps": 0, "start": 0.0}
+        # P: the packs of the current optimizer step, over all its micro-batches and ranks (the router loss's)
+        self._step_packs = 0.0
+        self._router_window: torch.Tensor | None = None  # this rank's part of the window's sum_p aux_p / P
 
     # --- data ------------------------------------------------------------------------------------------
 
@@ -204,15 +214,38 @@ class LongAlignTrainer(Trainer):
         self._window["samples"] += samples
         self._window["packs"] += packs
         self._window["steps"] += 1
+        self._step_packs = packs
         return batches, torch.tensor(denominator, dtype=torch.float32, device=device)
 
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
-        total = weighted_loss_sum(model, inputs, chunk_size=self.loss_chunk_size, read_head=self.read_head)
+        sums = loss_sums(
+            model,
+            inputs,
+            chunk_size=self.loss_chunk_size,
+            read_head=self.read_head,
+            sequence_parallel_group=self._sequence_parallel_group(),
+        )
+        packs = self._step_packs
         if num_items_in_batch is None:  # a lone micro-batch (e.g. a probe): normalise by itself
-            num_items_in_batch = torch.tensor(inputs["loss_denominator"], device=total.device)
+            num_items_in_batch = torch.tensor(inputs["loss_denominator"], device=sums.tokens.device)
+            packs = inputs.get("num_packs", 1)
         # D == 0 only when no sample of the step has a target: the loss and gradient are then 0.
-        loss = total / num_items_in_batch.clamp(min=1e-12) * self.accelerator.num_processes
+        loss = sums.tokens / num_items_in_batch.clamp(min=1e-12) * self.accelerator.num_processes
+        if sums.router is not None:
+            router = sums.router / max(packs, 1)
+            loss = loss + sums.router_coefficient * router * self.accelerator.num_processes
+            if model.training:
+                done = self._router_window if self._router_window is not None else 0.0
+                self._router_window = done + router.detach().double()
         return (loss, None) if return_outputs else loss
+
+    def _sequence_parallel_group(self) -> Any:
+        """The ranks that share this rank's packs (DeepSpeed's group), or None without sequence parallelism."""
+        if self.sequence_parallel_size == 1:
+            return None
+        from longalign.patch.sequence_parallel import group_of_this_rank
+
+        return group_of_this_rank()
 
     # --- evaluation ------------------------------------------------------------------------------------
 
@@ -255,6 +288,12 @@ class LongAlignTrainer(Trainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         window = self._window
+        if "loss" in logs and self._router_window is not None:  # every rank logs the loss: reduce here
+            router = self._router_window
+            if self.accelerator.num_processes > 1:
+                router = self.accelerator.reduce(router, reduction="sum")
+            logs["router_loss"] = float(router) / max(window["steps"], 1)
+            self._router_window = None
         if "loss" in logs and window["steps"]:
             elapsed = time.perf_counter() - window["start"]
             logs["tokens_per_second"] = round(window["tokens"] / elapsed, 1)

@@ -117,6 +117,16 @@ def wrap(model: torch.nn.Module, size: int, backend: str) -> str:
     return name
 
 
+def group_of_this_rank() -> Any:
+    """The process group of the ranks that share this rank's packs, as :func:`wrap` had DeepSpeed build it.
+
+    For sums over the slices of a pack that no gradient flows through (the router loss's counts).
+    """
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+    return parallel_state_sp.get_sequence_parallel_group()
+
+
 @contextmanager
 def whole_rows(model: torch.nn.Module) -> Iterator[None]:
     """Within the block, a model that splits packs over ranks attends as one that does not.

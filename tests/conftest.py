@@ -37,6 +37,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,6 +76,7 @@ FAMILIES = {
     "mistral": (MistralForCausalLM, MistralConfig),  # the generic path
     "qwen2": (Qwen2ForCausalLM, Qwen2Config),  # the generic path
     "qwen3": (Qwen3ForCausalLM, Qwen3Config),  # the generic path; norms on queries and keys
+    "qwen3_moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig),  # mixture of experts: give it MOE's fields too
 }
 
 
@@ -94,6 +97,30 @@ def tiny_model(
     if backend is None:
         return model
     return longalign.patch.apply(model, backend=backend, sequence_parallel_size=sequence_parallel_size)
+
+
+# A tiny mixture of experts (with "qwen3_moe"): 4 experts, top-2, router loss on with coefficient 0.5.
+MOE = dict(
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    router_aux_loss_coef=0.5,
+    output_router_logits=True,
+)
+
+
+def tiny_moe(
+    *, backend: str | None = "sdpa_segments", dtype: torch.dtype = torch.float64, **overrides
+) -> torch.nn.Module:
+    """The tiny Qwen3-MoE (float64 unless asked), its routers' weights scaled up so that routing is far
+    from uniform; ``overrides`` go to :func:`tiny_model`."""
+    model = tiny_model("qwen3_moe", backend=backend, **{**MOE, **overrides}).to(dtype)
+    model.set_experts_implementation("eager")  # grouped_mm has no float64 kernel on CPU
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.mul_(20)
+    return model
 
 
 # Identities checked in float32 are compared by the norm of the difference over the norm of the reference:

@@ -5,8 +5,9 @@ case in one launch:
 
     accelerate launch --multi_gpu --num_processes 2 tests/invariance_run.py OUT.pt SAMPLES_PER_PACK GA CASE...
 
-A case is ``WEIGHTING`` (every weight trains) or ``WEIGHTING:FAMILY`` (``llama``, ``glm4``: LoRA adapters,
-:data:`ADAPTERS`, on that family's tiny model). Rank 0 writes the gradients of every case, by case.
+A case is ``WEIGHTING`` (every weight trains), ``WEIGHTING:FAMILY`` (``llama``, ``glm4``: LoRA adapters,
+:data:`ADAPTERS`, on that family's tiny model), or ``WEIGHTING:moe`` (the tiny Qwen3-MoE with its router
+loss, every weight trained). Rank 0 writes the gradients of every case, by case.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import tempfile
 
 import datasets
 import torch
-from conftest import TINY, pack_row, tiny_model
+from conftest import TINY, pack_row, tiny_model, tiny_moe
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from longalign.batching import PackCollator
@@ -92,16 +93,24 @@ def one_step(
     samples_per_pack: int,
     accumulation: int,
     *,
+    packs_per_batch: int = 1,
     stock: bool = False,
     lora: str | None = None,
+    moe: bool = False,
+    router_loss: bool = True,
 ) -> dict:
     """Gradients of the trained parameters in one optimizer step over all SAMPLES (split as asked across
-    ranks); ``lora`` (a model family, e.g. "glm4") trains :data:`ADAPTERS` on that family's tiny model."""
+    ranks); ``lora`` (a model family, e.g. "glm4") trains :data:`ADAPTERS` on that family's tiny model;
+    ``moe`` trains the tiny Qwen3-MoE, with its router loss unless ``router_loss`` is False."""
     capture = GradientCapture()
+    if moe:
+        model = tiny_moe(output_router_logits=router_loss)
+    else:
+        model = adapted_model(lora) if lora else tiny_model(backend="sdpa_segments").double()
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(
             output_dir=out,
-            per_device_train_batch_size=1,
+            per_device_train_batch_size=packs_per_batch,
             gradient_accumulation_steps=accumulation,
             max_steps=1,
             learning_rate=1e-3,
@@ -114,7 +123,7 @@ def one_step(
         )
         common = {
             # float64: a split that changes the gradient shows against rounding near 1e-16, on any CPU
-            "model": adapted_model(lora) if lora else tiny_model(backend="sdpa_segments").double(),
+            "model": model,
             "args": args,
             "train_dataset": packs(samples_per_pack),
             "callbacks": [capture],
@@ -134,7 +143,10 @@ if __name__ == "__main__":
     grads = {}
     for case in cases:
         weighting, _, family = case.partition(":")
-        grads[case] = one_step(weighting, int(per_pack), int(accumulation), lora=family or None)
+        moe = family == "moe"
+        grads[case] = one_step(
+            weighting, int(per_pack), int(accumulation), lora=None if moe else family or None, moe=moe
+        )
     if int(torch.distributed.get_rank()) == 0:
         torch.save(grads, path)
     close()

@@ -7,8 +7,9 @@ run under ``accelerate launch`` for the split runs, every variant of a launch in
 
 ``ENGINE`` is ``ddp`` or ``zero<STAGE>`` (DeepSpeed ZeRO, e.g. ``zero3``); the DDP variants come first, since
 a DeepSpeed trainer leaves its engine set up in the process. A variant is ``WEIGHTING``,
-``WEIGHTING:adapters`` (LoRA adapters on the tiny model, ``ADAPTERS``), or ``WEIGHTING:CONTROL`` with a
-control that breaks the split on purpose (``CONTROLS``). For each, rank 0 writes, under ``ENGINE/VARIANT``,
+``WEIGHTING:adapters`` (LoRA adapters on the tiny model, ``ADAPTERS``), ``WEIGHTING:moe`` (the tiny
+Qwen3-MoE with its router loss), or ``WEIGHTING:CONTROL`` with a control that breaks the split on purpose
+(``CONTROLS``). For each, rank 0 writes, under ``ENGINE/VARIANT``,
 the parameters after one plain SGD step (no clipping, no momentum, learning rate 1: the update is the
 gradient the engine applied), the step's loss, the eval loss and the step's logged counts; and, under
 ``guard``, what registering the wrapped attention name again says.
@@ -29,7 +30,7 @@ from collections.abc import Callable
 
 import datasets
 import torch
-from conftest import pack_row, tiny_model
+from conftest import pack_row, tiny_model, tiny_moe
 from invariance_run import samples
 from transformers import TrainingArguments
 
@@ -68,8 +69,10 @@ CONTROLS = {"in_shard_shift": InShardShift, "whole_pack_weights": WholePackWeigh
 ADAPTERS = LoraConfig(r=4, alpha=8.0, trainable=["norms"])
 
 
-def model(size: int, adapters: bool) -> torch.nn.Module:
-    """The tiny model, patched to split packs over ``size`` ranks, with ``ADAPTERS`` if asked."""
+def model(size: int, adapters: bool = False, moe: bool = False) -> torch.nn.Module:
+    """The tiny model (or the tiny MoE), patched to split packs over ``size`` ranks, with ``ADAPTERS`` if asked."""
+    if moe:  # same attention shape as the tiny model: DeepSpeed's groups and wrapper serve both
+        return tiny_moe(dtype=torch.float32, sequence_parallel_size=size)
     base = tiny_model(backend="sdpa_segments", sequence_parallel_size=size)
     return add_adapters(base, ADAPTERS, base_model="tiny") if adapters else base
 
@@ -150,7 +153,7 @@ def one_step(variant: str, *, size: int = 1, zero_stage: int | None = None) -> d
                 weighting=weighting, sequence_parallel_size=size, sequence_parallel_rank=rank % size
             )
         trainer = LongAlignTrainer(
-            model=model(size, adapters=control == "adapters"),
+            model=model(size, adapters=control == "adapters", moe=control == "moe"),
             args=args,
             train_dataset=packs(),
             eval_dataset=packs(),
@@ -164,7 +167,11 @@ def one_step(variant: str, *, size: int = 1, zero_stage: int | None = None) -> d
         assert trainer.is_deepspeed_enabled == (zero_stage is not None), "the launch picked another engine"
         eval_loss = trainer.evaluate()["eval_loss"]
         step = next(entry for entry in trainer.state.log_history if "loss" in entry)
-        logged = {key: step[key] for key in ("samples_per_step", "packs_per_step", "packing_efficiency")}
+        logged = {
+            key: step[key]
+            for key in ("samples_per_step", "packs_per_step", "packing_efficiency", "router_loss")
+            if key in step
+        }
         params = parameters(trainer.model, zero_stage)
         release(trainer)
     return {"params": params, "loss": loss, "eval_loss": eval_loss, "logged": logged}

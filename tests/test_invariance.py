@@ -50,8 +50,15 @@ def test_accumulation_of_four(weighting, reference):
     assert_same(one_step(weighting, samples_per_pack=N // 4, accumulation=4), reference)
 
 
-# Every two-rank case in one launch: the weightings with every weight trained, the families with adapters.
-TWO_RANK_CASES = ["sequence_level", "token_level", "sequence_level:llama", "sequence_level:glm4"]
+# Every two-rank case in one launch: the weightings with every weight trained, the families with adapters,
+# the mixture of experts with its router loss.
+TWO_RANK_CASES = [
+    "sequence_level",
+    "token_level",
+    "sequence_level:llama",
+    "sequence_level:glm4",
+    "token_level:moe",
+]
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +100,46 @@ def test_adapter_gradients_do_not_depend_on_the_split(family, adapter_reference,
 @needs_launcher
 def test_adapters_on_two_ranks_times_accumulation_two(family, adapter_reference, two_ranks):
     assert_same(two_ranks[f"sequence_level:{family}"], adapter_reference)
+
+
+# The router loss is per pack, so its step changes with the packs: these keep N/4 samples in each (4 packs)
+# and split them differently into micro-batches, as the two-rank launch does.
+MOE_PER_PACK = N // 4
+
+
+@pytest.fixture(scope="module")
+def moe_reference() -> dict:
+    return one_step("token_level", samples_per_pack=MOE_PER_PACK, accumulation=4, moe=True)  # a pack each
+
+
+@pytest.mark.parametrize("packs_per_batch, accumulation", [(4, 1), (2, 2)], ids=["one_batch", "two_batches"])
+def test_router_loss_gradient_does_not_depend_on_the_micro_batches(
+    moe_reference, packs_per_batch, accumulation
+):
+    got = one_step(
+        "token_level",
+        samples_per_pack=MOE_PER_PACK,
+        accumulation=accumulation,
+        packs_per_batch=packs_per_batch,
+        moe=True,
+    )
+    assert_same(got, moe_reference)
+
+
+def test_router_loss_changes_the_update(moe_reference):
+    """With output_router_logits off the step is the language-model loss alone, and a different one."""
+    without = one_step(
+        "token_level", samples_per_pack=MOE_PER_PACK, accumulation=4, moe=True, router_loss=False
+    )
+    assert relative_error(without, moe_reference) > 1e-3
+    routers = [name for name in without if name.endswith("mlp.gate.weight")]
+    assert relative_error({n: without[n] for n in routers}, {n: moe_reference[n] for n in routers}) > 0.1
+
+
+@pytest.mark.integration
+@needs_launcher
+def test_router_loss_on_two_ranks_times_accumulation_two(moe_reference, two_ranks):
+    assert_same(two_ranks["token_level:moe"], moe_reference)
 
 
 def test_stock_trainer_is_token_level_not_sequence_level():

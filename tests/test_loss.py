@@ -1,20 +1,45 @@
 import pytest
 import torch
-from conftest import FLOAT32_BOUND, FLOAT64_BOUND, TINY, assert_relatively_close, tiny_model
+from conftest import (
+    FLOAT32_BOUND,
+    FLOAT64_BOUND,
+    TINY,
+    assert_relatively_close,
+    pack_row,
+    relative_error,
+    tiny_model,
+    tiny_moe,
+)
 from torch.nn import functional as F
 from transformers import (
+    Cohere2Config,
+    Cohere2ForCausalLM,
     CohereConfig,
     CohereForCausalLM,
     Gemma2Config,
     Gemma2ForCausalLM,
     GraniteConfig,
     GraniteForCausalLM,
+    HyperCLOVAXConfig,
+    HyperCLOVAXForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
 )
+from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
+import longalign.patch
 from longalign.batching import PackCollator, PaddedCollator
-from longalign.loss import LossHead, lm_head_spec, weighted_loss_sum, weighted_token_loss
+from longalign.loss import (
+    MODEL_INPUT_KEYS,
+    LossHead,
+    RouterLoss,
+    lm_head_spec,
+    loss_sums,
+    router_loss_spec,
+    router_loss_sum,
+    weighted_loss_sum,
+    weighted_token_loss,
+)
 
 X = -100
 VOCAB, HIDDEN = TINY["vocab_size"], TINY["hidden_size"]
@@ -271,54 +296,241 @@ def test_boundary_next_sample_first_token_does_not_change_previous_loss(llama):
     assert loss_of_a(11, collate=False) != loss_of_a(12, collate=False)  # the test can fail
 
 
+# Families that transform their logits after the LM head, each with what makes it differ from Llama set.
+TRANSFORMING_FAMILIES = {
+    "granite": (
+        GraniteForCausalLM,
+        GraniteConfig(
+            **TINY,
+            logits_scaling=16.0,
+            embedding_multiplier=12.0,
+            residual_multiplier=0.22,
+            attention_multiplier=0.0078125,
+        ),
+    ),
+    "cohere2": (Cohere2ForCausalLM, Cohere2Config(**TINY, logit_scale=0.25, sliding_window=16)),
+    # Attention soft-capping is another matter (the patch refuses it): off here.
+    "gemma2": (
+        Gemma2ForCausalLM,
+        Gemma2Config(**TINY, final_logit_softcapping=30.0, attn_logit_softcapping=None),
+    ),
+}
+# (length, prompt tokens) of one pack's samples; all longer than Cohere2's sliding window of 16.
+LONG_SAMPLES = [(20, 5), (17, 2), (25, 7)]
+
+
+def long_samples() -> list[tuple[list[int], list[int]]]:
+    generator = torch.Generator().manual_seed(5)
+    out = []
+    for length, prompt in LONG_SAMPLES:
+        ids = torch.randint(3, VOCAB, (length,), generator=generator).tolist()
+        out.append((ids, [X] * prompt + ids[prompt:]))
+    return out
+
+
+def transforms_of(model) -> tuple:
+    """Where each family keeps its transform's value, as its forward reads it."""
+    places = [
+        (model.config, "logits_scaling"),
+        (model, "logit_scale"),
+        (model.config, "final_logit_softcapping"),
+    ]
+    return tuple(getattr(holder, name, None) for holder, name in places)
+
+
+@pytest.mark.parametrize("family", TRANSFORMING_FAMILIES)
+def test_logit_scales_and_softcaps_are_applied_inside_the_head_exactly(family):
+    """A packed row through the loss inside the head equals the cross-entropy of the family's own logits,
+    each sample alone: the scale or soft-cap is applied once, inside the head, and not again after it."""
+    model_class, config = TRANSFORMING_FAMILIES[family]
+    torch.manual_seed(0)
+    # One model, one attention function for both sides: the families' norms round to float32 inside
+    # (their own code), which would turn float64 differences between two kernels into 1e-9.
+    model = longalign.patch.apply(model_class(config).double(), backend="sdpa_segments")
+    params = dict(model.named_parameters())
+    expected = sum(
+        F.cross_entropy(
+            model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, :-1],
+            torch.tensor(labels[1:]),
+            ignore_index=X,
+            reduction="sum",
+        )
+        for ids, labels in long_samples()
+    )
+    expected_grads = torch.autograd.grad(expected, list(params.values()))
+    before = transforms_of(model)
+
+    batch = PackCollator(weighting="token_level")([pack_row(long_samples())])
+    total = weighted_loss_sum(model, batch, chunk_size=7)
+    grads = dict(zip(params, torch.autograd.grad(total, list(params.values())), strict=True))
+
+    assert transforms_of(model) == before  # held neutral only while the head was installed
+    assert_relatively_close(total, expected, FLOAT64_BOUND)
+    want = dict(zip(params, expected_grads, strict=True))
+    # Cohere2 and Gemma 2 multiply their norms' weights in float32 (their code): those weights' gradients
+    # are float32 sums over the tokens, whose order packing changes. Every other gradient is float64.
+    float32 = [name for name in params if family != "granite" and "norm" in name]
+    float64 = [name for name in params if name not in float32]
+    assert_relatively_close([grads[n] for n in float64], [want[n] for n in float64], FLOAT64_BOUND)
+    if float32:
+        assert_relatively_close([grads[n] for n in float32], [want[n] for n in float32], FLOAT32_BOUND)
+
+
 @pytest.mark.parametrize(
     ("model_class", "config", "expected"),
     [
         (CohereForCausalLM, CohereConfig(**TINY, logit_scale=0.5), (0.5, None)),
         (GraniteForCausalLM, GraniteConfig(**TINY, logits_scaling=4.0), (0.25, None)),
+        (HyperCLOVAXForCausalLM, HyperCLOVAXConfig(**TINY, logits_scaling=4.0), (4.0, None)),
         (Gemma2ForCausalLM, Gemma2Config(**TINY, final_logit_softcapping=2.0), (None, 2.0)),
     ],
-    ids=["cohere", "granite", "gemma2"],
+    ids=["cohere", "granite", "hyperclovax", "gemma2"],
 )
-def test_logit_transforms_are_read_and_refused_in_training(model_class, config, expected):
+def test_each_family_transform_is_read_as_its_forward_applies_it(model_class, config, expected):
     torch.manual_seed(0)
-    model = model_class(config).eval()
+    model = model_class(config).double().eval()
     spec = lm_head_spec(model)
     assert (spec.logit_scale, spec.final_logit_softcap) == expected
-    # The functional loss applies them and reproduces the model's own loss ...
     ids = torch.randint(0, VOCAB, (1, 12))
     labels = ids.clone()
     labels[0, :4] = X
     batch = PaddedCollator(weighting="token_level")([{"input_ids": ids[0], "labels": labels[0]}])
     with torch.no_grad():
-        hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
-        loss = weighted_token_loss(
-            hidden,
-            spec.weight,
-            batch["labels"],
-            batch["loss_weights"],
-            lm_head_bias=spec.bias,
-            logit_scale=spec.logit_scale,
-            final_logit_softcap=spec.final_logit_softcap,
-            chunk_size=3,
-        )
-        stock = model(input_ids=ids, labels=labels, use_cache=False).loss  # token mean over the targets
-    assert_relatively_close(loss / batch["loss_weights"].sum(), stock)
-    # ... but the model would transform the loss returned through its head, so training refuses them.
-    with pytest.raises(ValueError, match="scales or soft-caps its logits"):
+        total = weighted_loss_sum(model, batch, chunk_size=3)
+        stock = model(input_ids=ids, labels=labels, use_cache=False).loss  # float32 logits: a float32 bound
+    assert_relatively_close(total / batch["loss_weights"].sum(), stock)
+
+
+def test_a_value_the_family_keeps_on_the_module_is_read_there():
+    """Cohere multiplies by the module's ``logit_scale`` (copied from the config at init), not the config's."""
+    model = CohereForCausalLM(CohereConfig(**TINY, logit_scale=0.5))
+    model.logit_scale = 0.125
+    assert lm_head_spec(model).logit_scale == 0.125
+
+
+def test_an_unknown_transform_after_the_head_is_refused(llama):
+    class ShiftedLogits(LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            outputs = super().forward(*args, **kwargs)
+            outputs.logits = outputs.logits + 1
+            return outputs
+
+    model = ShiftedLogits(LlamaConfig(**TINY))
+    batch = PackCollator()(random_packs(seed=4))
+    with pytest.raises(
+        ValueError, match="^ShiftedLogits transforms the LM head's output in a way longalign does"
+    ):
         weighted_loss_sum(model, batch)
+    assert "forward" not in vars(model.lm_head)
 
 
-def test_lm_head_spec_rejects_what_it_cannot_apply(llama):
-    config = LlamaConfig(**TINY)
-    config.output_multiplier = 2.0
-    model = LlamaForCausalLM(config)
-    with pytest.raises(ValueError, match="config field 'output_multiplier' = 2.0"):
+def test_the_transform_comes_back_after_an_error():
+    model = GraniteForCausalLM(TRANSFORMING_FAMILIES["granite"][1])
+    with (
+        pytest.raises(RuntimeError, match="boom"),
+        LossHead(model, PackCollator()(random_packs(1)), chunk_size=4),
+    ):
+        assert model.config.logits_scaling == 1.0
+        raise RuntimeError("boom")
+    assert model.config.logits_scaling == 16.0
+
+
+def test_lm_head_spec_rejects_what_it_cannot_apply():
+    model = CohereForCausalLM(CohereConfig(**TINY))
+    model.logit_scale = torch.tensor(0.5)  # a value the forward multiplies by, but not a number to read
+    with pytest.raises(
+        ValueError, match=r"CohereForCausalLM: 'logit_scale' = tensor\(0.5000\) transforms the"
+    ):
         lm_head_spec(model)
 
     class ScaledHead(torch.nn.Linear):
         pass
 
+    model = LlamaForCausalLM(LlamaConfig(**TINY))
     model.lm_head = ScaledHead(HIDDEN, VOCAB, bias=False)
     with pytest.raises(ValueError, match="output layer is ScaledHead"):
         lm_head_spec(model)
+
+
+# --- the router (load-balancing) loss --------------------------------------------------------------------
+
+EXPERTS = RouterLoss(coefficient=0.5, num_experts=4, top_k=2)
+
+
+def test_router_loss_is_each_packs_own_load_balancing_loss():
+    """Two packs (one padded to a fixed length) and an inactive row in one micro-batch: the sum of
+    transformers' load-balancing loss of each pack run alone. Filler and inactive rows count nowhere."""
+    model = tiny_moe()
+    rows = [pack_row(long_samples()[:2]), pack_row(long_samples()[2:])]
+    batch = PackCollator(weighting="token_level", pad_packs_to=40)([*rows, {**rows[0], "active": False}])
+    assert batch["num_packs"] == 2 and set(batch["pack_ids"].unique().tolist()) == {-1, 0, 1}
+    with torch.no_grad():
+        sums = loss_sums(model, batch, chunk_size=7)
+        alone = 0.0
+        for row in rows:
+            one = PackCollator(weighting="token_level")([row])
+            router_logits = model(
+                **{key: one[key] for key in MODEL_INPUT_KEYS if key in one}, use_cache=False
+            ).router_logits
+            alone += float(load_balancing_loss_func(router_logits, EXPERTS.num_experts, EXPERTS.top_k))
+    assert router_loss_spec(model) == EXPERTS and sums.router_coefficient == 0.5
+    # transformers sums the routing statistics in float32
+    assert_relatively_close(sums.router, alone, FLOAT32_BOUND)
+
+
+def test_router_loss_of_a_packs_slices_adds_up_to_the_packs():
+    """Slices of the tokens (the ranks of a sequence-parallel group), their counts summed over the slices:
+    the slices' router losses and their gradients add up to the whole batch's, in float64."""
+    generator = torch.Generator().manual_seed(3)
+    router_logits = [torch.randn(24, 4, generator=generator, dtype=torch.float64) * 3 for _ in range(3)]
+    leaves = [logits.requires_grad_() for logits in router_logits]
+    pack_ids = torch.tensor([0] * 10 + [1] * 9 + [-1] * 5)
+    whole = router_loss_sum(leaves, pack_ids, 2, EXPERTS)
+    want = torch.autograd.grad(whole, leaves)
+
+    cuts = [slice(0, 8), slice(8, 16), slice(16, 24)]  # the second cut holds the end of pack 0 and pack 1
+    recorded = []
+    for cut in cuts:  # what each slice would put into the group's all-reduce
+        router_loss_sum([x[cut] for x in leaves], pack_ids[cut], 2, EXPERTS, all_reduce=recorded.append)
+    summed = sum(recorded)
+    parts = [
+        router_loss_sum(
+            [x[cut] for x in leaves], pack_ids[cut], 2, EXPERTS, all_reduce=lambda t: t.copy_(summed)
+        )
+        for cut in cuts
+    ]
+    assert_relatively_close(sum(parts), whole, FLOAT64_BOUND)
+    assert_relatively_close(torch.autograd.grad(sum(parts), leaves), want, FLOAT64_BOUND)
+    alone = [router_loss_sum([x[cut] for x in leaves], pack_ids[cut], 2, EXPERTS) for cut in cuts]
+    assert (
+        relative_error(sum(alone), whole) > 1e-3
+    )  # the test can fail: a slice's own counts are not the pack's
+
+
+def test_router_loss_runs_only_when_the_family_adds_one():
+    assert router_loss_spec(tiny_moe(output_router_logits=False)) is None
+    assert router_loss_spec(tiny_model("llama")) is None
+    no_coefficient = tiny_moe()
+    del no_coefficient.router_aux_loss_coef  # a family whose forward adds no router term (DeepSeek-V3, ...)
+    assert router_loss_spec(no_coefficient) is None
+
+
+def test_router_logits_of_another_shape_are_refused():
+    """A family that routes otherwise (Doge's product keys give [2, tokens, keys]) is named, not guessed."""
+    odd = [torch.zeros(2, 6, 2)]
+    with pytest.raises(
+        ValueError, match=r"router logits of shape \(2, 6, 2\) are not \[6 tokens, 4 experts\]"
+    ):
+        router_loss_sum(odd, torch.zeros(6, dtype=torch.long), 1, EXPERTS)
+
+
+def test_a_micro_batch_without_packs_adds_no_router_loss():
+    """Only filler (a group's inactive copy of a pack at the end of an epoch): exactly 0, no collective."""
+    router_logits = [torch.randn(6, 4, dtype=torch.float64, requires_grad=True)]
+
+    def no_collective(totals):
+        raise AssertionError("called")
+
+    total = router_loss_sum(router_logits, torch.full((6,), -1), 0, EXPERTS, all_reduce=no_collective)
+    total.backward()
+    assert total.item() == 0.0 and torch.equal(router_logits[0].grad, torch.zeros(6, 4, dtype=torch.float64))

@@ -129,6 +129,7 @@ LAUNCHES = {
             "ddp/sequence_level:in_shard_shift",
             "ddp/token_level:whole_pack_weights",
             "ddp/sequence_level:adapters",
+            "ddp/token_level:moe",
             *(f"zero3/{weighting}" for weighting in WEIGHTINGS),
         ],
     ),
@@ -223,6 +224,21 @@ def test_adapters_train_the_same_step_on_split_packs(launched):
     assert all(torch.equal(got["params"][name], start[name]) for name in start if name not in moved)
     assert got["loss"] == pytest.approx(want["loss"], rel=FLOAT32_BOUND)
     assert got["eval_loss"] == pytest.approx(want["eval_loss"], rel=FLOAT32_BOUND)
+
+
+@pytest.mark.integration
+@needs_launcher
+@needs_deepspeed
+def test_the_router_loss_of_split_packs_is_the_router_loss_of_the_whole_packs(launched):
+    """A mixture of experts with its router loss on split packs: each rank's routing counts summed over
+    the group, its own tokens' probabilities backpropagated, give the unsplit step's update and router loss."""
+    got = outcome(launched("2 ranks"), "ddp/token_level:moe")
+    start = {name: p.detach().clone() for name, p in model(1, moe=True).named_parameters()}
+    want = one_step("token_level:moe")
+    assert update_difference(got, want, start) < 1e-4
+    assert got["loss"] == pytest.approx(want["loss"], rel=FLOAT32_BOUND)
+    assert got["logged"]["router_loss"] == pytest.approx(want["logged"]["router_loss"], rel=FLOAT32_BOUND)
+    assert got["logged"]["packs_per_step"] == want["logged"]["packs_per_step"] == 4
 
 
 @pytest.mark.integration
