@@ -10,8 +10,6 @@ Packed samples stay apart only when all of these hold:
 
       pack  [ a: 0..299 | b: 0..8999 ]   max position 8999 -> a is embedded as if it were long
 
-- nothing in the score computation that the varlen kernels skip: logit soft-capping, attention sinks.
-
 Qwen2, Qwen3 and Mistral (sliding window included) pass through this path unchanged.
 """
 
@@ -48,10 +46,6 @@ def problems(model: torch.nn.Module) -> list[str]:
             found.append("it uses multimodal rotary embeddings (3D position ids)")
     if getattr(config, "is_encoder_decoder", False):
         found.append("it is an encoder-decoder model")
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        found.append("it soft-caps attention logits")
-    if any(name.endswith("sinks") for name, _ in model.named_parameters()):
-        found.append("it has attention sinks")
     return found
 
 
