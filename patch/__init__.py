@@ -37,10 +37,11 @@ import torch
 
 from longalign.errors import ModelError
 
-from . import cu_seqlens_mask, generic
+from . import cu_seqlens_mask, generic, llama4
 from .glm import GLM, GLM4, REMOTE_CODE_HINTS
 from .interface import ATTENTION_NAMES, register, varlen_attention_forward
 from .llama import LLAMA
+from .llama4 import LLAMA4
 from .offload import offload_checkpointed_inputs
 from .sequence_parallel import sequence_parallel_problems, whole_rows, wrap
 from .tiled_layer import TILEABLE_LAYERS, tile_layers
@@ -63,7 +64,7 @@ __all__ = [
     "whole_rows",
 ]
 
-FAMILIES = (LLAMA, GLM, GLM4)
+FAMILIES = (LLAMA, GLM, GLM4, LLAMA4)
 
 
 class UnsupportedModelError(ModelError):
@@ -79,6 +80,7 @@ def apply(
     over groups of N consecutive ranks (needs DeepSpeed and a process group).
     """
     check_model(model)
+    llama4.install(model)  # Llama 4's NoPE layers: their query temperature from positions within samples
     if sequence_parallel_size > 1:
         found = sequence_parallel_problems(model.config, sequence_parallel_size)
         if found:
