@@ -38,7 +38,7 @@ import torch
 
 from longalign.errors import ModelError
 
-from . import cu_seqlens_mask, families
+from . import cu_seqlens_mask, families, llama4
 from .interface import ATTENTION_NAMES, register, varlen_attention_forward
 from .offload import offload_checkpointed_inputs
 from .sequence_parallel import sequence_parallel_problems, whole_rows, wrap
@@ -74,6 +74,7 @@ def apply(
     over groups of N consecutive ranks (needs DeepSpeed and a process group).
     """
     check_model(model, backend=backend)
+    llama4.install(model)  # Llama 4's NoPE layers: their query temperature from positions within samples
     if sequence_parallel_size > 1:
         found = sequence_parallel_problems(model.config, sequence_parallel_size)
         if found:

@@ -59,7 +59,12 @@ _NOT_OUTPUT_FIELD = re.compile(r"attn|attention|router|init")
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
 
 # Families with a name of their own (messages, LoRA's default targets); every other family is "generic".
-NAMED = {"LlamaForCausalLM": "Llama 3", "GlmForCausalLM": "GLM", "Glm4ForCausalLM": "GLM-4"}
+NAMED = {
+    "LlamaForCausalLM": "Llama 3",
+    "GlmForCausalLM": "GLM",
+    "Glm4ForCausalLM": "GLM-4",
+    "Llama4ForCausalLM": "Llama 4",
+}
 
 # Remote-code model types that have a native transformers class under another name.
 REMOTE_CODE_HINTS = {

@@ -59,6 +59,12 @@ def register(backend: str = "auto", *, name: str | None = None) -> str:
     return name
 
 
+def selects_varlen(attn_implementation: Any) -> bool:
+    """Whether a config's ``_attn_implementation`` is longalign's varlen attention (under any backend's name,
+    or wrapped for sequence parallelism: ``longalign_varlen_fa_ulysses``)."""
+    return isinstance(attn_implementation, str) and attn_implementation.startswith(ATTENTION_NAMES["auto"])
+
+
 def is_ulysses(function: Any) -> bool:
     """Whether an attention registry entry is DeepSpeed's Ulysses wrapper (``UlyssesSPAttentionHF``)."""
     return "UlyssesSPAttentionHF" in getattr(function, "__qualname__", "")
@@ -84,17 +90,16 @@ def varlen_attention_forward(
     """transformers attention function: ``[B, Hq, T, D]`` in, ``([B, T, Hq, Dv], None)`` out.
 
     ``per_kv_head`` (from the tiled layer, through DeepSpeed's Ulysses exchange when it wraps this
-    function) runs the kernel once per key/value head of the heads this rank holds.
+    function) runs the kernel once per key/value head of the heads this rank holds. ``softcap`` (Gemma 2)
+    and ``s_aux`` (gpt-oss's sinks) go to the kernel; a layer of type ``"chunked_attention"`` (Llama 4's
+    RoPE layers) attends within chunks of ``attention_chunk_size`` from each sample's start; a module that
+    carries ``packed_query_scale`` (``longalign.patch.llama4``) has its queries scaled by the position of
+    each token within its sample.
     """
     if attention_mask is not None:
         raise ValueError(
             f"longalign's varlen attention got a {attention_mask.dim()}D attention mask; packed batches carry "
             "their sample boundaries in cu_seq_lens_q/position_ids and need no mask"
-        )
-    if softcap is not None or s_aux is not None:
-        raise NotImplementedError(
-            f"{type(module).__name__} uses attention logit soft-capping or attention sinks, which longalign's "
-            "varlen attention does not implement"
         )
     batch, heads, length, _ = query.shape
     if key.shape[2] != length:
@@ -103,6 +108,10 @@ def varlen_attention_forward(
             "without a KV cache; generate with model.set_attn_implementation('sdpa')"
         )
     cu_seqlens, max_seqlen = _sample_boundaries(kwargs, batch, length)
+    query_scale = getattr(module, "packed_query_scale", None)
+    if query_scale is not None:
+        scales = query_scale(positions_in_samples(cu_seqlens, batch * length))
+        query = (query * scales.view(batch, 1, length, 1)).to(query.dtype)
     device_type = query.device.type
     # Under autocast the rotary embedding leaves q/k in float32 while v is already in the autocast dtype.
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else query.dtype
@@ -120,10 +129,38 @@ def varlen_attention_forward(
         scale=scaling,
         dropout=dropout,
         window=sliding_window,
+        softcap=softcap,
+        sinks=s_aux,
+        chunk=attention_chunk(module),
         backend=backend,
         per_kv_head=per_kv_head,
     )
     return out.view(batch, length, heads, out.shape[-1]), None
+
+
+def attention_chunk(module: torch.nn.Module) -> int | None:
+    """The chunk a layer attends within: ``attention_chunk_size`` for layers of type ``"chunked_attention"``.
+
+    transformers builds those layers' mask with ``create_chunked_causal_mask`` from the same two config
+    fields (Llama 4: its RoPE layers, 3 of every 4); the varlen attention gets no mask, so it reads them.
+    """
+    config = getattr(module, "config", None)
+    layer_types = getattr(config, "layer_types", None)
+    index = getattr(module, "layer_idx", None)
+    if layer_types is None or index is None or layer_types[index] != "chunked_attention":
+        return None
+    return config.attention_chunk_size
+
+
+def positions_in_samples(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Each token's position within its sample, what the collator's ``position_ids`` hold.
+
+    >>> positions_in_samples(torch.tensor([0, 3, 4, 6]), 6).tolist()
+    [0, 1, 2, 0, 0, 1]
+    """
+    cu_seqlens = cu_seqlens.long()
+    starts = torch.repeat_interleave(cu_seqlens[:-1], cu_seqlens.diff(), output_size=total)
+    return torch.arange(total, device=cu_seqlens.device) - starts
 
 
 def padding_free_mask(*, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> None:

@@ -23,6 +23,7 @@ import datasets
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import (
     AutoTokenizer,
     Glm4Config,
@@ -243,6 +244,46 @@ def packed_logits_error(packed_model, alone_model, row: dict) -> float:
             )
             for start, end in zip(starts, starts[1:], strict=False)
         )
+
+
+def packed_and_alone(
+    packed_model, alone_model, lengths: list[int], *, vocab_size: int = 64
+) -> tuple[dict, dict]:
+    """One packed row of random samples of ``lengths`` through ``packed_model`` (the collator's keys), and each
+    sample alone through ``alone_model``; both backward from the summed next-token loss of every sample.
+
+    Returns ``({"logits", "grads"}, {"logits", "grads"})``: the logits of the whole row (the samples' alone,
+    concatenated) and the gradients by parameter name.
+    """
+    ids = torch.randint(3, vocab_size, (1, sum(lengths)), generator=torch.Generator().manual_seed(1))
+    cu_seqlens = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32)
+    batch = {
+        "input_ids": ids,
+        "position_ids": torch.cat([torch.arange(n) for n in lengths])[None],
+        "cu_seq_lens_q": cu_seqlens,
+        "cu_seq_lens_k": cu_seqlens,
+        "max_length_q": max(lengths),
+        "max_length_k": max(lengths),
+    }
+    parts = [
+        slice(start, end)
+        for start, end in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist(), strict=True)
+    ]
+
+    def loss(logits: torch.Tensor, part: slice) -> torch.Tensor:
+        return F.cross_entropy(logits[0, :-1], ids[0, part][1:], reduction="sum")
+
+    packed = packed_model(**batch).logits
+    sum(loss(packed[:, part], part) for part in parts).backward()
+    alone = [alone_model(input_ids=ids[:, part]).logits for part in parts]
+    sum(loss(logits, part) for logits, part in zip(alone, parts, strict=True)).backward()
+    return (
+        {"logits": packed, "grads": {name: p.grad for name, p in packed_model.named_parameters()}},
+        {
+            "logits": torch.cat(alone, dim=1),
+            "grads": {name: p.grad for name, p in alone_model.named_parameters()},
+        },
+    )
 
 
 def make_samples(lengths: list[int], seed: int = 0, sources: list[int] | None = None) -> dict[str, list]:

@@ -19,8 +19,9 @@ key/value heads, the shapes; and what the kernel trusts without checking: ``cu_s
 the tokens, ``max_seqlen`` at least the longest sample. A violation raises :class:`KernelPreconditionError`,
 which fails the test: longalign must never hand a kernel such a tensor. Then it computes attention exactly,
 in float64 per sample, with the kernels' conventions: an inclusive window ``(left, right)`` with -1 for
-unbounded, ``causal`` meaning ``right = 0``, a window at least ``max_seqlen_k`` meaning unbounded, and an
-analytic backward (kernels run below autograd).
+unbounded, ``causal`` meaning ``right = 0``, a window at least ``max_seqlen_k`` meaning unbounded, logit
+soft-capping ``softcap * tanh(scores / softcap)`` for ``softcap > 0`` (FlashAttention 2/3; torch's kernel has
+none), and an analytic backward (kernels run below autograd).
 """
 
 from __future__ import annotations
@@ -84,45 +85,56 @@ def _allowed(length_q: int, length_k: int, left: int, right: int) -> torch.Tenso
     return allowed
 
 
-def _probabilities(q, k, cu_q, cu_k, scale, left, right):
-    """Per sample ``(rows, P [H, Lq, Lk], lse [H, Lq])`` in float64, K heads repeated for their query groups."""
+def _probabilities(q, k, cu_q, cu_k, scale, left, right, softcap=0.0):
+    """Per sample ``(rows, P [H, Lq, Lk], lse [H, Lq], slope)`` in float64, K heads repeated for their query
+    groups. ``softcap > 0`` caps the scores to ``softcap * tanh(scores / softcap)`` before the mask (the
+    kernels' convention, 0 = off); ``slope [H, Lq, Lk]`` is the cap's derivative (``None`` without one)."""
     group = q.shape[1] // k.shape[1]
     for (qs, qe), (ks, ke) in zip(pairwise(cu_q), pairwise(cu_k), strict=True):
         q_i = q[qs:qe].double()
         k_i = k[ks:ke].double().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q_i, k_i) * scale
+        slope = None
+        if softcap > 0:
+            capped = torch.tanh(scores / softcap)
+            scores, slope = softcap * capped, 1 - capped**2
         scores = scores.masked_fill(~_allowed(qe - qs, ke - ks, left, right), float("-inf"))
         lse = torch.logsumexp(scores, dim=-1)
         probabilities = torch.exp(scores - lse[..., None]).nan_to_num(0.0)  # a row that sees nothing is 0
-        yield (qs, qe, ks, ke), probabilities, lse
+        yield (qs, qe, ks, ke), probabilities, lse, slope
 
 
-def exact_forward(q, k, v, cu_q, cu_k, scale, left, right) -> tuple[torch.Tensor, torch.Tensor]:
+def exact_forward(q, k, v, cu_q, cu_k, scale, left, right, softcap=0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """``out [Tq, Hq, Dv]`` in q's dtype and the float32 ``softmax_lse [Hq, Tq]``, computed in float64."""
     group = q.shape[1] // k.shape[1]
     out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=torch.float64)
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float64)
-    for (qs, qe, ks, ke), probabilities, lse_i in _probabilities(q, k, cu_q, cu_k, scale, left, right):
+    for (qs, qe, ks, ke), probabilities, lse_i, _ in _probabilities(
+        q, k, cu_q, cu_k, scale, left, right, softcap
+    ):
         v_i = v[ks:ke].double().repeat_interleave(group, dim=1)
         out[qs:qe] = torch.einsum("hqk,khd->qhd", probabilities, v_i)
         lse[:, qs:qe] = lse_i
     return out.to(q.dtype), lse.float()
 
 
-def exact_backward(dout, q, k, v, cu_q, cu_k, scale, left, right):
+def exact_backward(dout, q, k, v, cu_q, cu_k, scale, left, right, softcap=0.0):
     """``dq, dk, dv`` (float64) of the attention above for the output gradient ``dout``; K/V gradients summed
     over each key/value head's query group."""
     group = q.shape[1] // k.shape[1]
     dq = torch.zeros(q.shape, dtype=torch.float64)
     dk = torch.zeros(k.shape[0], q.shape[1], k.shape[2], dtype=torch.float64)
     dv = torch.zeros(v.shape[0], q.shape[1], v.shape[2], dtype=torch.float64)
-    for (qs, qe, ks, ke), probabilities, _ in _probabilities(q, k, cu_q, cu_k, scale, left, right):
+    samples = _probabilities(q, k, cu_q, cu_k, scale, left, right, softcap)
+    for (qs, qe, ks, ke), probabilities, _, slope in samples:
         q_i, do_i = q[qs:qe].double(), dout[qs:qe].double()
         k_i, v_i = (x[ks:ke].double().repeat_interleave(group, dim=1) for x in (k, v))
         o_i = torch.einsum("hqk,khd->qhd", probabilities, v_i)
         d_probabilities = torch.einsum("qhd,khd->hqk", do_i, v_i)
         row = (do_i * o_i).sum(-1).transpose(0, 1)  # [H, Lq]
         d_scores = probabilities * (d_probabilities - row[..., None])
+        if slope is not None:
+            d_scores = d_scores * slope  # back through the cap to the scaled scores
         dq[qs:qe] = torch.einsum("hqk,khd->qhd", d_scores, k_i) * scale
         dk[ks:ke] = torch.einsum("hqk,qhd->khd", d_scores, q_i) * scale
         dv[ks:ke] = torch.einsum("hqk,qhd->khd", probabilities, do_i)
@@ -197,19 +209,19 @@ def _no_extras(**extras) -> None:
         _require(value is None or value is False or value == 0, f"the stand-in computes no {name}")
 
 
-def varlen_forward(q, k, v, out_, cu_q, cu_k, max_q, max_k, scale, is_causal, left, right):
+def varlen_forward(q, k, v, out_, cu_q, cu_k, max_q, max_k, scale, is_causal, left, right, softcap=0.0):
     """What every varlen forward kernel does here: its checks, its window rules, then ``(out, lse)`` exactly."""
     bounds_q, bounds_k = check_varlen_call(
         q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
         others={"out": out_},
     )  # fmt: skip
     left, right = _window(is_causal, left, right, max_k, single_queries=max_q == 1)
-    out, lse = exact_forward(q, k, v, bounds_q, bounds_k, scale, left, right)
+    out, lse = exact_forward(q, k, v, bounds_q, bounds_k, scale, left, right, softcap)
     return (out if out_ is None else out_.copy_(out)), lse
 
 
 def varlen_backward(
-    dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, scale, is_causal, left, right
+    dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, scale, is_causal, left, right, softcap=0.0
 ):
     """What every varlen backward kernel does here: its checks, then ``dq, dk, dv`` (into the buffers given)
     and ``softmax_d``."""
@@ -219,7 +231,7 @@ def varlen_backward(
     )  # fmt: skip
     _require(lse.dtype == torch.float32, f"softmax_lse must be float32, got {lse.dtype}")
     left, right = _window(is_causal, left, right, max_k)
-    grads = exact_backward(dout, q, k, v, bounds_q, bounds_k, scale, left, right)
+    grads = exact_backward(dout, q, k, v, bounds_q, bounds_k, scale, left, right, softcap)
     dq, dk, dv = (
         (torch.empty_like(x) if buffer is None else buffer).copy_(grad)
         for buffer, x, grad in zip((dq, dk, dv), (q, k, v), grads, strict=True)
@@ -240,11 +252,11 @@ def _fa2_varlen_fwd(
     """``flash_attn_2_cuda.varlen_fwd``: ``(out, softmax_lse, S_dmask, rng_state)``."""
     _no_extras(
         seqused_k=seqused_k, leftpad_k=leftpad_k, paged_kv=block_table, alibi=alibi_slopes,
-        dropout=p_dropout, softcap=softcap, returned_softmax=return_softmax,
+        dropout=p_dropout, returned_softmax=return_softmax,
     )  # fmt: skip
     out, lse = varlen_forward(
         q, k, v, out_, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, is_causal,
-        window_size_left, window_size_right,
+        window_size_left, window_size_right, softcap,
     )  # fmt: skip
     return out, lse, q.new_empty(0), torch.zeros(2, dtype=torch.int64)
 
@@ -255,10 +267,10 @@ def _fa2_varlen_bwd(
     softcap, deterministic, gen, rng_state,
 ):  # fmt: skip
     """``flash_attn_2_cuda.varlen_bwd``: fills ``dq, dk, dv``; returns them and ``softmax_d``."""
-    _no_extras(alibi=alibi_slopes, dropout=p_dropout, softcap=softcap)
+    _no_extras(alibi=alibi_slopes, dropout=p_dropout)
     return varlen_backward(
         dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        softmax_scale, is_causal, window_size_left, window_size_right,
+        softmax_scale, is_causal, window_size_left, window_size_right, softcap,
     )  # fmt: skip
 
 
@@ -363,11 +375,11 @@ def _fa3_fwd(
     _no_extras(
         appended_kv=k_new, qv=qv, seqused_q=seqused_q, seqused_k=seqused_k, paged_kv=page_table,
         kv_batch_idx=kv_batch_idx, leftpad_k=leftpad_k, rotary=rotary_cos, fp8_descale=q_descale,
-        attention_chunk=attention_chunk, softcap=softcap,
+        attention_chunk=attention_chunk,
     )  # fmt: skip
     out, lse = varlen_forward(
         q, k, v, out_, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, is_causal,
-        window_size_left, window_size_right,
+        window_size_left, window_size_right, softcap,
     )  # fmt: skip
     return out, lse, None, None
 
@@ -378,10 +390,10 @@ def _fa3_bwd(
     deterministic, sm_margin,
 ):  # fmt: skip
     """``flash_attn_3._C.bwd``: fills ``dq, dk, dv``; returns ``softmax_d`` first."""
-    _no_extras(seqused_q=seqused_q, seqused_k=seqused_k, softcap=softcap)
+    _no_extras(seqused_q=seqused_q, seqused_k=seqused_k)
     dq, dk, dv, softmax_d = varlen_backward(
         dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        softmax_scale, is_causal, window_size_left, window_size_right,
+        softmax_scale, is_causal, window_size_left, window_size_right, softcap,
     )  # fmt: skip
     return softmax_d, dq, dk, dv
 

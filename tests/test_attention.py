@@ -13,20 +13,28 @@ from hypothesis import strategies as st
 from longalign import attention
 from longalign.attention import (
     available_backends,
+    chunked_cu_seqlens,
     cu_seqlens_from_position_ids,
     resolve_backend,
     varlen_attention,
 )
 from longalign.config import BACKENDS
+from longalign.errors import ConfigError
 
 GPU_BACKENDS = ("flash_attn", "flash_attn_cute", "torch_varlen")
 CPU = torch.device("cpu")
 
 
 def allowed_pairs(
-    cu_seqlens: torch.Tensor, *, causal: bool, left: int | None, right: int | None
+    cu_seqlens: torch.Tensor,
+    *,
+    causal: bool,
+    left: int | None,
+    right: int | None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
-    """``[T, T]`` bool: query i may see key j (same sample, j in [i - left, i + right]; None = unbounded).
+    """``[T, T]`` bool: query i may see key j (same sample, j in [i - left, i + right]; None = unbounded;
+    with ``chunk``, also the same chunk of ``chunk`` tokens counted from the sample's start).
 
     cu_seqlens [0, 2, 3], causal::
 
@@ -38,6 +46,9 @@ def allowed_pairs(
     position = torch.arange(len(sample))
     offset = position[None, :] - position[:, None]  # key minus query
     allowed = sample[:, None] == sample[None, :]
+    if chunk is not None:
+        within = position - cu_seqlens.long()[sample]
+        allowed &= (within[:, None] // chunk) == (within[None, :] // chunk)
     if causal:
         allowed &= offset <= 0
     if left is not None:
@@ -48,20 +59,40 @@ def allowed_pairs(
 
 
 def masked_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor,
+    scale: float | None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Plain softmax attention on ``[T, H, D]`` with K/V heads repeated: slow and obvious."""
+    """Plain softmax attention on ``[T, H, D]`` with K/V heads repeated: slow and obvious.
+
+    ``softcap``: scores become ``softcap * tanh(scores / softcap)``. ``sinks [H]``: every query also sees one
+    more key, of score ``sinks[h]`` and value zero.
+    """
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    return torch.einsum("hqk,khd->qhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), v)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.view(-1, 1, 1).expand(-1, q.shape[0], 1)], dim=-1)
+        v = torch.cat([v, v.new_zeros(1, *v.shape[1:])])
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def dense_reference(q, k, v, cu_seqlens, *, causal=True, scale=None, window=None):
+def dense_reference(
+    q, k, v, cu_seqlens, *, causal=True, scale=None, window=None, softcap=None, sinks=None, chunk=None
+):
     """What ``varlen_attention`` promises, through one dense mask (window: itself plus window-1 before)."""
     reach = None if window is None else window - 1
-    allowed = allowed_pairs(cu_seqlens, causal=causal, left=reach, right=None if causal else reach)
-    return masked_attention(q, k, v, allowed, scale)
+    allowed = allowed_pairs(
+        cu_seqlens, causal=causal, left=reach, right=None if causal else reach, chunk=chunk
+    )
+    return masked_attention(q, k, v, allowed, scale, softcap, sinks)
 
 
 def random_pack(lengths, q_heads, kv_heads, head_dim, dtype=torch.float64, device=CPU, seed=0):
@@ -117,6 +148,71 @@ def test_sdpa_segments_matches_dense_reference(
     )
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, expected, strict=True):
         torch.testing.assert_close(a, b, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 17), min_size=1, max_size=5),
+    kv_heads=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 3]),
+    causal=st.booleans(),
+    window=st.none() | st.integers(1, 6),
+    softcap=st.none() | st.sampled_from([0.5, 3.0]),
+    with_sinks=st.booleans(),
+    chunk=st.none() | st.integers(1, 7),
+    per_kv_head=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_softcap_sinks_and_chunks_match_dense_reference(
+    lengths, kv_heads, group, causal, window, softcap, with_sinks, chunk, per_kv_head, seed
+):
+    """sdpa_segments with Gemma 2's soft-capping, gpt-oss's sinks and Llama 4's chunks, any mix, against
+    one dense float64 softmax: values and the gradients of q, k, v and the sinks."""
+    q, k, v, cu_seqlens = random_pack(lengths, kv_heads * group, kv_heads, 8, seed=seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    sinks = (
+        torch.randn(q.shape[1], generator=generator, dtype=q.dtype).requires_grad_() if with_sinks else None
+    )
+    cotangent = torch.randn(q.shape, generator=generator, dtype=q.dtype)
+    inputs = [q, k, v] + ([sinks] if with_sinks else [])
+    options = {"causal": causal, "window": window, "softcap": softcap, "sinks": sinks, "chunk": chunk}
+    out = varlen_attention(
+        q, k, v, cu_seqlens, max(lengths), backend="sdpa_segments", per_kv_head=per_kv_head, **options
+    )
+    expected = dense_reference(q, k, v, cu_seqlens, **options)
+    torch.testing.assert_close(out, expected)
+    got = torch.autograd.grad(out, inputs, cotangent)
+    want = torch.autograd.grad(expected, inputs, cotangent)
+    for name, a, b in zip(("dq", "dk", "dv", "dsinks"), got, want, strict=False):
+        torch.testing.assert_close(a, b, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_a_sink_takes_its_share_of_the_softmax_and_no_value():
+    """One query, two keys of scores 0 and ln 3, a sink of ln 4: weights 1/8 and 3/8, the sink's 4/8 lost."""
+    q = torch.tensor([[[1.0, 0.0]]], dtype=torch.float64).expand(2, 1, 2).contiguous()
+    k = torch.tensor(
+        [[[0.0, 0.0]], [[2**0.5 * torch.log(torch.tensor(3.0)).item(), 0.0]]], dtype=torch.float64
+    )
+    v = torch.tensor([[[8.0, 0.0]], [[0.0, 8.0]]], dtype=torch.float64)
+    sinks = torch.log(torch.tensor([4.0], dtype=torch.float64))
+    out = varlen_attention(q, k, v, torch.tensor([0, 2]), 2, sinks=sinks)
+    torch.testing.assert_close(out[1, 0], torch.tensor([1.0, 3.0], dtype=torch.float64))
+    torch.testing.assert_close(out[0, 0], torch.tensor([8 / 5, 0.0], dtype=torch.float64))  # sees key 0 alone
+
+
+def test_chunks_restart_at_every_sample_s_start():
+    cu_seqlens = chunked_cu_seqlens(torch.tensor([0, 45, 115, 144], dtype=torch.int32), 16)
+    assert cu_seqlens.dtype == torch.int32
+    assert cu_seqlens.tolist() == [0, 16, 32, 45, 61, 77, 93, 109, 115, 131, 144]
+    assert chunked_cu_seqlens(torch.tensor([0, 0, 5, 5]), 4).tolist() == [0, 4, 5]  # empty samples vanish
+
+
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=6), st.integers(1, 12))
+def test_chunked_cu_seqlens_cut_each_sample_into_chunks(lengths, chunk):
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    pieces = chunked_cu_seqlens(cu_seqlens, chunk).diff().tolist()
+    expected = [min(chunk, n - start) for n in lengths for start in range(0, n, chunk)]
+    assert pieces == expected
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -176,6 +272,70 @@ def test_torch_varlen_refuses_dropout_but_honours_windows():
     assert "sliding window" not in reasons["torch_varlen"]
 
 
+def every_kernel_on_cpu(monkeypatch):
+    """The kernel backends whose module imports here (torch's varlen_attn) pass the device check on CPU."""
+    monkeypatch.setattr(attention, "_device_problem", lambda name, device: None)
+
+
+def test_torch_varlen_refuses_softcap_in_one_line_and_auto_skips_it(monkeypatch):
+    every_kernel_on_cpu(monkeypatch)
+    assert resolve_backend(CPU, torch.bfloat16) == "torch_varlen"  # flash-attn is not installed here
+    assert resolve_backend(CPU, torch.bfloat16, softcap=50.0) == "sdpa_segments"
+    q, k, v, cu_seqlens = random_pack([3, 2], 4, 2, 8, dtype=torch.bfloat16)
+    with pytest.raises(ConfigError) as error:
+        varlen_attention(q, k, v, cu_seqlens, 3, softcap=50.0, backend="torch_varlen")
+    assert str(error.value) == (
+        "attention backend 'torch_varlen' cannot run here: torch.nn.attention.varlen.varlen_attn has no "
+        "attention logit soft-capping (Gemma 2's attn_logit_softcapping): use flash_attn (FlashAttention 2/3), "
+        "flash_attn_cute (FlashAttention 4) or sdpa_segments"
+    )
+
+
+def test_kernels_without_learnable_sink_refuse_sinks_and_auto_skips_them(monkeypatch):
+    every_kernel_on_cpu(monkeypatch)
+    sinks = torch.zeros(4)
+    assert resolve_backend(CPU, torch.bfloat16, sinks=sinks) == "sdpa_segments"
+    reason = available_backends(CPU, torch.bfloat16, sinks=sinks)["torch_varlen"]
+    assert reason == (
+        "torch.nn.attention.varlen.varlen_attn has no attention sinks (gpt-oss), and the log-sum-exp it returns "
+        "passes no gradient back: use flash_attn_cute (FlashAttention 4) or sdpa_segments"
+    )
+
+
+def fa2_signature(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+    causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+    return_attn_probs=False, block_table=None,
+):  # fmt: skip
+    """flash-attn 2.8.3's ``flash_attn_varlen_func``: soft-capping, no sinks."""
+    raise AssertionError("never called")
+
+
+def fa4_signature(
+    q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+    softmax_scale=None, causal=False, window_size=(None, None), learnable_sink=None, softcap=0.0,
+    return_lse=False,
+):  # fmt: skip
+    """flash-attn-4's ``flash_attn_varlen_func`` (the arguments longalign uses): both."""
+    raise AssertionError("never called")
+
+
+@pytest.mark.parametrize(
+    "name, signature, softcap_refused, sinks_refused",
+    [("flash_attn", fa2_signature, False, True), ("flash_attn_cute", fa4_signature, False, False)],
+)
+def test_flash_kernels_take_softcap_and_only_fa4_takes_sinks(
+    monkeypatch, name, signature, softcap_refused, sinks_refused
+):
+    every_kernel_on_cpu(monkeypatch)
+    monkeypatch.setattr(attention, "_kernel", lambda _: (signature, None))
+    with_softcap = available_backends(CPU, torch.bfloat16, softcap=50.0)[name]
+    with_sinks = available_backends(CPU, torch.bfloat16, sinks=torch.zeros(4))[name]
+    assert (with_softcap is not None) == softcap_refused and (with_sinks is not None) == sinks_refused
+    if sinks_refused:
+        assert "has no attention sinks (gpt-oss)" in with_sinks and "use flash_attn_cute" in with_sinks
+
+
 def test_kernel_without_window_refuses_sliding_window(monkeypatch):
     def flash_attn_varlen_func(  # flash-attn 2.2 and older
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
@@ -216,24 +376,25 @@ def test_bad_arguments_are_errors():
 # they check how the adapters spell causality, windows, GQA and scale, which no CPU machine can run for real.
 def fake_flash_attn(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
-    causal=False, window_size=(-1, -1),
+    causal=False, window_size=(-1, -1), softcap=0.0,
 ):  # fmt: skip
-    """flash_attn (FA2): window_size is inclusive (left, right), -1 = unbounded."""
+    """flash_attn (FA2): window_size is inclusive (left, right), -1 = unbounded; softcap 0.0 = none."""
     assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_q is cu_seqlens_k and dropout_p == 0.0
     left, right = (None if reach == -1 else reach for reach in window_size)
-    return masked_attention(
-        q, k, v, allowed_pairs(cu_seqlens_q, causal=causal, left=left, right=right), softmax_scale
-    )
+    allowed = allowed_pairs(cu_seqlens_q, causal=causal, left=left, right=right)
+    return masked_attention(q, k, v, allowed, softmax_scale, softcap or None)
 
 
 def fake_flash_attn_cute(
     q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, softmax_scale=None,
-    causal=False, window_size=(None, None), return_lse=False,
+    causal=False, window_size=(None, None), learnable_sink=None, softcap=0.0, return_lse=False,
 ):  # fmt: skip
-    """flash_attn.cute (FA4): None = unbounded, and it returns (out, lse)."""
+    """flash_attn.cute (FA4): None = unbounded, learnable_sink float32 [Hq], and it returns (out, lse)."""
+    assert learnable_sink is None or learnable_sink.dtype == torch.float32
     left, right = window_size
     allowed = allowed_pairs(cu_seqlens_q, causal=causal, left=left, right=right)
-    return masked_attention(q, k, v, allowed, softmax_scale), None
+    sinks = None if learnable_sink is None else learnable_sink.to(q.dtype)
+    return masked_attention(q, k, v, allowed, softmax_scale, softcap or None, sinks), None
 
 
 def fake_torch_varlen(
@@ -262,6 +423,21 @@ def test_kernel_adapters_speak_each_kernels_convention(monkeypatch, name, fake, 
     got = run(q, k, v, cu_seqlens, 7, causal, 0.25, 0.0, window)
     expected = dense_reference(q, k, v, cu_seqlens, causal=causal, scale=0.25, window=window)
     torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize(
+    "name, fake, with_sinks",
+    [("flash_attn", fake_flash_attn, False), ("flash_attn_cute", fake_flash_attn_cute, True)],
+)
+@pytest.mark.parametrize("window", [None, 3])
+def test_kernel_adapters_pass_softcap_and_sinks(monkeypatch, name, fake, with_sinks, window):
+    monkeypatch.setattr(attention, "_kernel", lambda _: (fake, None))
+    q, k, v, cu_seqlens = random_pack([4, 1, 7], 4, 2, 8)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(2), dtype=q.dtype) if with_sinks else None
+    run = attention._BACKEND_FUNCTIONS[name]
+    got = run(q, k, v, cu_seqlens, 7, True, 0.25, 0.0, window, softcap=0.5, sinks=sinks)
+    expected = dense_reference(q, k, v, cu_seqlens, scale=0.25, window=window, softcap=0.5, sinks=sinks)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)  # the fake takes the sinks in float32
 
 
 @pytest.mark.skipif(

@@ -88,6 +88,63 @@ def test_backend_equals_sdpa_segments_in_float64(kernel, heads, causal, window, 
         assert relative_error(a, b) <= BF16_BOUND, f"{name}: {relative_error(a, b):.3g}"
 
 
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2)], ids=["mha", "gqa-4"])
+@pytest.mark.parametrize(
+    "window, softcap, chunk", [(None, 2.0, None), (5, 2.0, None), (None, None, 4), (3, 2.0, 4)]
+)
+def test_softcap_and_chunks_reach_the_kernel(kernel, heads, window, softcap, chunk):
+    """Gemma 2's soft-capping goes to the kernel (FlashAttention 2/3; torch's varlen_attn refuses it) and
+    Llama 4's chunks become samples of their own that every kernel runs."""
+    backend = STOOD_IN[kernel]
+    lengths = [1, 9, 1, 30, 4, 1]
+    q, k, v, cu_seqlens = pack(lengths, *heads)
+    q = (q * 4).detach().requires_grad_()  # scores of a few units, where a cap of 2 bends them
+    cotangent = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(q.dtype)
+    options = {
+        "cu_seqlens": cu_seqlens,
+        "max_seqlen": 30,
+        "window": window,
+        "softcap": softcap,
+        "chunk": chunk,
+    }
+    if softcap is not None and kernel == "torch_varlen":
+        with pytest.raises(ValueError, match="varlen_attn has no attention logit soft-capping"):
+            varlen_attention(q, k, v, backend=backend, **options)
+        return
+    got = values_and_grads(q, k, v, cotangent, backend=backend, **options)
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    want = values_and_grads(q64, k64, v64, cotangent.double(), backend="sdpa_segments", **options)
+    uncapped = varlen_attention(q64, k64, v64, **{**options, "softcap": None}, backend="sdpa_segments")
+    if softcap is not None:
+        assert relative_error(uncapped, want[0]) > 0.1  # the cap matters here
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        assert relative_error(a, b) <= BF16_BOUND, f"{name}: {relative_error(a, b):.3g}"
+
+
+def test_flash_attn_2_s_log_sum_exp_carries_no_gradient():
+    """Why sinks are refused on flash-attn 2: out * sigmoid(lse - sink) needs the gradient through lse, and
+    ``flash_attn_varlen_func(..., return_attn_probs=True)`` hands back an lse whose gradient its backward
+    drops (it differentiates ``out`` alone): zero where the true gradient is not."""
+    try:
+        flash_attn = load_flash_attn()
+    except SourcesUnavailable as error:
+        pytest.skip(f"flash-attn's Python layer is not available here: {error}")
+    q, k, v, cu_seqlens = pack([5, 4], 4, 2)
+    with kernels_on_cpu("flash_attn"):
+        out, lse, _ = flash_attn.flash_attn_varlen_func(
+            q, k, v, cu_seqlens, cu_seqlens, 5, 5, causal=True, return_attn_probs=True
+        )
+        dq_through_lse = torch.autograd.grad(lse.sum(), q)[0]
+        reason = available_backends("cpu", torch.bfloat16, sinks=torch.zeros(4))["flash_attn"]
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k.double().repeat_interleave(2, dim=1)) / 4
+    mask = torch.block_diag(torch.ones(5, 5), torch.ones(4, 4)).tril().bool()
+    true_lse = scores.masked_fill(~mask, float("-inf")).logsumexp(-1)
+    assert relative_error(lse, true_lse) <= 1e-6  # the value is right ...
+    assert torch.count_nonzero(dq_through_lse) == 0  # ... its gradient is not there
+    assert torch.autograd.grad(true_lse.sum(), q)[0].abs().max() > 0.1
+    assert "has no attention sinks (gpt-oss)" in reason and "use flash_attn_cute" in reason
+
+
 def test_a_sample_attends_only_to_itself(kernel):
     backend = STOOD_IN[kernel]
     q, k, v, cu_seqlens = pack([5, 4], 4, 2)
@@ -299,7 +356,7 @@ def parsed_signature(source: str, function: str) -> inspect.Signature:
     return inspect.Signature(parameters)
 
 
-def our_fa4_call(monkeypatch, window: int | None, causal: bool) -> list[tuple[tuple, dict]]:
+def our_fa4_call(monkeypatch, window: int | None, causal: bool, **extras) -> list[tuple[tuple, dict]]:
     """The exact arguments longalign's FA4 adapter passes, recorded by a function that accepts anything."""
     calls = []
 
@@ -310,7 +367,9 @@ def our_fa4_call(monkeypatch, window: int | None, causal: bool) -> list[tuple[tu
     q, k, v, cu_seqlens = pack([3, 6], 4, 2)
     with monkeypatch.context() as patched:
         patched.setattr(attention, "_kernel", lambda name: (record, None))
-        attention._BACKEND_FUNCTIONS["flash_attn_cute"](q, k, v, cu_seqlens, 6, causal, 0.3, 0.0, window)
+        attention._BACKEND_FUNCTIONS["flash_attn_cute"](
+            q, k, v, cu_seqlens, 6, causal, 0.3, 0.0, window, **extras
+        )
     return calls
 
 
@@ -324,6 +383,26 @@ def test_our_fa4_call_binds_to_the_pinned_flash_attn_4(monkeypatch, causal, wind
         (None, None) if window is None else (window - 1, 0 if causal else window - 1)
     )
     assert set(attention._REQUIRED_ARGUMENTS["flash_attn_cute"]) <= set(signature.parameters)
+
+
+def test_our_fa4_call_with_softcap_and_sinks_binds_to_the_pinned_flash_attn_4(monkeypatch):
+    """gpt-oss's sinks run in FA4's kernel forward and backward (``learnable_sink``); Gemma 2's cap too."""
+    signature = parsed_signature(fa4_interface_source(), "flash_attn_varlen_func")
+    sinks = torch.randn(4, dtype=torch.bfloat16)
+    [(args, kwargs)] = our_fa4_call(monkeypatch, 5, True, softcap=50.0, sinks=sinks)
+    bound = signature.bind(*args, **kwargs)
+    assert bound.arguments["softcap"] == 50.0
+    assert bound.arguments["learnable_sink"].dtype == torch.float32  # one of the dtypes it takes
+    torch.testing.assert_close(bound.arguments["learnable_sink"], sinks.float())
+
+    def flash_attn_varlen_func(*args, **kwargs):
+        raise AssertionError("never called")
+
+    flash_attn_varlen_func.__signature__ = signature
+    monkeypatch.setattr(attention, "_kernel", lambda name: (flash_attn_varlen_func, None))
+    monkeypatch.setattr(attention, "_device_problem", lambda name, device: None)
+    reasons = available_backends("cpu", torch.bfloat16, softcap=50.0, sinks=sinks)
+    assert reasons["flash_attn_cute"] is None
 
 
 def test_flash_attn_2_s_older_cute_copy_is_refused_as_too_old_for_fa4(monkeypatch):
