@@ -37,7 +37,7 @@ import torch
 
 from longalign.errors import ModelError
 
-from . import cu_seqlens_mask, generic
+from . import cu_seqlens_mask, generic, linear_attention
 from .glm import GLM, GLM4, REMOTE_CODE_HINTS
 from .interface import ATTENTION_NAMES, register, varlen_attention_forward
 from .llama import LLAMA
@@ -96,6 +96,7 @@ def apply(
         )
     model.config.use_cache = False
     cu_seqlens_mask.install(model)
+    linear_attention.install(model)  # Qwen3-Next/3.5, Kimi-Linear: convolution and state restart per sample
     return model
 
 

@@ -21,6 +21,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .linear_attention import linear_attention_layers
+
 
 class Family(NamedTuple):
     """A model family with its own module: checked like every model, and tested by name."""
@@ -33,9 +35,16 @@ def problems(model: torch.nn.Module) -> list[str]:
     """Why ``model`` cannot train on packed samples with varlen attention; empty when it can."""
     config = model.config
     found = []
-    if not getattr(type(model), "_supports_attention_backend", False):
+    # Text models of Qwen3-Next/3.5 and Kimi-Linear (linear_attention.py): full attention goes through the
+    # interface without the class saying so; Kimi-Linear's has no positions (its order comes from the linear
+    # layers); Qwen3.5's text model gives every mrope axis the same 2D position_ids, which is plain RoPE.
+    hybrid = bool(linear_attention_layers(model)) and getattr(config, "vision_config", None) is None
+    if not getattr(type(model), "_supports_attention_backend", False) and not hybrid:
         found.append("its attention does not go through transformers' AttentionInterface")
-    if not any(type(module).__name__.endswith("RotaryEmbedding") for module in model.modules()):
+    if (
+        not any(type(module).__name__.endswith("RotaryEmbedding") for module in model.modules())
+        and not hybrid
+    ):
         found.append("it has no rotary position embedding (learned absolute positions or ALiBi, for example)")
     for params in _rope_parameters(config):
         rope_type = params.get("rope_type", "default")
@@ -44,7 +53,7 @@ def problems(model: torch.nn.Module) -> list[str]:
                 f"its rope_type {rope_type!r} derives frequencies from the largest position in the batch, so "
                 "packed samples would change each other's positions"
             )
-        if "mrope_section" in params:
+        if "mrope_section" in params and not hybrid:
             found.append("it uses multimodal rotary embeddings (3D position ids)")
     if getattr(config, "is_encoder_decoder", False):
         found.append("it is an encoder-decoder model")
