@@ -30,7 +30,13 @@ from transformers import (
 from transformers.models.kimi_linear import modeling_kimi_linear
 from transformers.models.qwen3_next import modeling_qwen3_next
 
-from longalign.patch import UnsupportedModelError, apply, check_model, linear_attention
+from longalign.patch import (
+    UnsupportedModelError,
+    apply,
+    check_model,
+    linear_attention,
+    sequence_parallel_problems,
+)
 
 VOCAB = 128
 LENGTHS = [45, 70, 29]  # the middle sample spans two of the delta rule's 64-token chunks
@@ -257,6 +263,10 @@ def test_the_families_pass_the_checks_and_every_linear_layer_is_found(kind):
     assert check_model(model) == "generic"
     assert linear_attention.install(model) == types.count("linear_attention") >= 2
     assert "full_attention" in types
+    # Split over ranks, the linear layers would see one rank's slice of the pack.
+    assert any(
+        "linear_attention layers" in problem for problem in sequence_parallel_problems(model.config, 2)
+    )
 
 
 def test_the_multimodal_qwen3_5_stays_refused():
