@@ -38,7 +38,7 @@ import torch
 
 from longalign.errors import ModelError
 
-from . import cu_seqlens_mask, families, llama4
+from . import cu_seqlens_mask, families, linear_attention, llama4
 from .interface import ATTENTION_NAMES, register, varlen_attention_forward
 from .offload import offload_checkpointed_inputs
 from .sequence_parallel import sequence_parallel_problems, whole_rows, wrap
@@ -92,6 +92,7 @@ def apply(
         )
     model.config.use_cache = False
     cu_seqlens_mask.install(model)
+    linear_attention.install(model)  # Qwen3-Next/3.5, Kimi-Linear: convolution and state restart per sample
     return model
 
 
