@@ -53,6 +53,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from longalign.errors import ConfigError, ModelError
+from longalign.patch.families import logit_transform
 
 # Batch keys the model sees; labels and loss_weights stay out, so the model computes no loss of its own.
 MODEL_INPUT_KEYS = (
@@ -264,61 +265,8 @@ class LMHead:
     final_logit_softcap: float | None  # softcap * tanh(logits / softcap); None = no cap
 
 
-@dataclass(frozen=True)
-class LogitTransform:
-    """How a family transforms its logits after the LM head, as its ``ForCausalLM.forward`` does it."""
-
-    field: str  # the name the forward reads; dotted for an attribute of a submodule
-    read_from: str  # "config": the text config, every forward; "module": the causal LM, set at init
-    kind: str  # "multiply": logits * v; "divide": logits / v; "softcap": v * tanh(logits / v), off if None
-
-
-# The families whose causal LM transforms the logits after ``self.lm_head(...)`` (transformers 5.24), by
-# ``config.model_type``. Any other transform after the head is caught by the check on the model's output
-# (:meth:`LossHead.returned_sum`). Families that transform always, with no neutral value (Inkling's softcap
-# module, RecurrentGemma, xLSTM), are left to that check.
-LOGIT_TRANSFORMS: dict[str, LogitTransform] = {
-    **dict.fromkeys(  # Granite 3.x: logits / 16
-        ("granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared"),
-        LogitTransform("logits_scaling", "config", "divide"),
-    ),
-    "hyperclovax": LogitTransform("logits_scaling", "config", "multiply"),  # multiplies, unlike Granite
-    **dict.fromkeys(
-        ("cohere", "cohere2", "cohere2_moe", "cohere_compass_text"),
-        LogitTransform("logit_scale", "module", "multiply"),
-    ),
-    "falcon_h1": LogitTransform("model.lm_head_multiplier", "module", "multiply"),
-    **dict.fromkeys(  # Gemma 3's multimodal class (model_type "gemma3") does not cap in 5.24
-        (
-            "gemma2", "gemma3_text", "gemma3n", "gemma3n_text", "gemma4", "gemma4_text", "gemma4_unified",
-            "gemma4_unified_text", "vaultgemma", "nanochat", "beam",
-        ),
-        LogitTransform("final_logit_softcapping", "config", "softcap"),
-    ),
-}  # fmt: skip
 # What each kind is held at while the loss runs inside the head: the forward then leaves S as it is.
 _NEUTRAL = {"multiply": 1.0, "divide": 1.0, "softcap": None}
-
-
-def logit_transform(model: nn.Module) -> tuple[LogitTransform, Any, str] | None:
-    """The row of :data:`LOGIT_TRANSFORMS` for ``model``, the object holding its value, and the name there.
-
-    ``model`` is a transformers causal LM, or a wrapper that hands it out with ``get_base_model()`` (PEFT).
-    The value is ``getattr(holder, name)``; None when the family has no transform after its head::
-
-        GraniteForCausalLM   ->  (LogitTransform("logits_scaling", ...), model.config, "logits_scaling")
-        FalconH1ForCausalLM  ->  (LogitTransform("model.lm_head_multiplier", ...), model.model,
-                                  "lm_head_multiplier")
-    """
-    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    transform = LOGIT_TRANSFORMS.get(getattr(causal_lm.config, "model_type", None))
-    if transform is None:
-        return None
-    *path, name = transform.field.split(".")
-    holder = causal_lm.config.get_text_config() if transform.read_from == "config" else causal_lm
-    for part in path:
-        holder = getattr(holder, part)
-    return transform, holder, name
 
 
 LinearInputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # hidden, weight, bias

@@ -2,8 +2,8 @@
 they do, never by class name.
 
 One decision per model, made before any data is prepared (the dry run, the preflight and the training run
-all call :func:`decide` on the run's config; :func:`longalign.patch.apply` calls :func:`check` on the model
-it patches)::
+all call :func:`decide` on the run's config; :func:`longalign.patch.apply` holds the model it patches to
+:func:`decide_model`)::
 
     decide(LlamaConfig(...))      -> Decision(model_type="llama", features=Features(...), refusals=())
     decide(GPT2Config())          -> refusals ("it has no rotary position embedding (...)",)
@@ -21,11 +21,12 @@ sliding window         ``sliding_window``, ``layer_types``          the kernel's
 attention chunks       ``attention_chunk_size`` (Llama 4)           attention restarts every chunk of a sample
 attention soft-cap     ``attn_logit_softcapping`` (Gemma 2)         the kernel's ``softcap``
 attention sinks        parameters named ``*sinks`` (gpt-oss)        one logit per head in the denominator
-logit scale, soft-cap  :data:`LOGIT_FIELDS` (Granite, Cohere,       applied inside the chunked loss
-                       Gemma 2)
+logit scale, soft-cap  :data:`LOGIT_TRANSFORMS` (Granite, Cohere,   applied inside the chunked loss
+                       Gemma 2), where each forward reads it
 router loss            ``output_router_logits``,                    the load-balancing loss per pack, over
                        ``router_aux_loss_coef`` (MoE)               the pack's real tokens
-linear attention       token-mixing convolutions and recurrences    state restarts at every sample
+linear attention       token-mixing layer types and convolutions    state restarts at every sample (gated
+                                                                    delta rules: ``linear_attention``)
 =====================  ===========================================  ==========================================
 
 Everything a decision refuses names what is missing and what to do instead. ``tests/test_families.py``
@@ -34,6 +35,7 @@ holds every causal-LM family of the installed transformers to its decision: exac
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -41,22 +43,85 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 
-# Config fields that transform the logits after the LM head, and the factor each puts on them; the
-# chunked loss applies them (longalign.loss).
-LOGIT_SCALE_FIELDS = {
-    "logit_scale": lambda value: value,  # Cohere, Cohere2: logits * logit_scale
-    "lm_head_multiplier": lambda value: value,  # Falcon-H1: logits * lm_head_multiplier
-    "logits_scaling": lambda value: 1 / value,  # Granite 3.x: logits / logits_scaling
-}
-FINAL_SOFTCAP_FIELD = "final_logit_softcapping"  # Gemma 2/3: softcap * tanh(logits / softcap)
-# Other config fields that look like they touch the logits; a model that sets one is refused, since the
-# loss would not apply it. Attention and router soft-caps and initialisation values act elsewhere.
+from .linear_attention import linear_attention_layers
+
+
+@dataclass(frozen=True)
+class LogitTransform:
+    """How a family transforms its logits after the LM head, as its ``ForCausalLM.forward`` does it."""
+
+    field: str  # the name the forward reads; dotted for an attribute of a submodule
+    read_from: str  # "config": the text config, every forward; "module": the causal LM, set at init
+    kind: str  # "multiply": logits * v; "divide": logits / v; "softcap": v * tanh(logits / v), off if None
+
+
+# The families whose causal LM transforms the logits after ``self.lm_head(...)`` (transformers 5.24), by
+# ``config.model_type``. Any other transform after the head is caught by the check on the model's output
+# (:meth:`LossHead.returned_sum`). Families that transform always, with no neutral value (Inkling's softcap
+# module, RecurrentGemma, xLSTM), are left to that check.
+LOGIT_TRANSFORMS: dict[str, LogitTransform] = {
+    **dict.fromkeys(  # Granite 3.x: logits / 16
+        ("granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared"),
+        LogitTransform("logits_scaling", "config", "divide"),
+    ),
+    "hyperclovax": LogitTransform("logits_scaling", "config", "multiply"),  # multiplies, unlike Granite
+    **dict.fromkeys(
+        ("cohere", "cohere2", "cohere2_moe", "cohere_compass_text"),
+        LogitTransform("logit_scale", "module", "multiply"),
+    ),
+    "falcon_h1": LogitTransform("model.lm_head_multiplier", "module", "multiply"),
+    **dict.fromkeys(  # Gemma 3's multimodal class (model_type "gemma3") does not cap in 5.24
+        (
+            "gemma2", "gemma3_text", "gemma3n", "gemma3n_text", "gemma4", "gemma4_text", "gemma4_unified",
+            "gemma4_unified_text", "vaultgemma", "nanochat", "beam",
+        ),
+        LogitTransform("final_logit_softcapping", "config", "softcap"),
+    ),
+}  # fmt: skip
+
+
+def logit_transform(model: nn.Module) -> tuple[LogitTransform, Any, str] | None:
+    """The row of :data:`LOGIT_TRANSFORMS` for ``model``, the object holding its value, and the name there.
+
+    ``model`` is a transformers causal LM, or a wrapper that hands it out with ``get_base_model()`` (PEFT).
+    The value is ``getattr(holder, name)``; None when the family has no transform after its head::
+
+        GraniteForCausalLM   ->  (LogitTransform("logits_scaling", ...), model.config, "logits_scaling")
+        FalconH1ForCausalLM  ->  (LogitTransform("model.lm_head_multiplier", ...), model.model,
+                                  "lm_head_multiplier")
+    """
+    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    transform = LOGIT_TRANSFORMS.get(getattr(causal_lm.config, "model_type", None))
+    if transform is None:
+        return None
+    *path, name = transform.field.split(".")
+    holder = causal_lm.config.get_text_config() if transform.read_from == "config" else causal_lm
+    for part in path:
+        holder = getattr(holder, part)
+    return transform, holder, name
+
+
+# Config fields that look like they transform the logits: a family that sets one and has no row above is
+# refused, since the loss would not apply it. Attention and router soft-caps and initialisation act elsewhere.
 _LOGIT_LIKE_FIELD = re.compile(r"(logit|lm_head|output).*(scal|mult|cap)|(scal|mult|cap).*logit")
 _NOT_OUTPUT_FIELD = re.compile(r"attn|attention|router|init")
 
+# What each attention backend runs besides windows and chunks (every backend runs those), checked before
+# any data is prepared; "auto" takes the first kernel on the machine that runs what the model needs.
+BACKEND_RUNS = {
+    "auto": {"softcap", "sinks"},
+    "sdpa_segments": {"softcap", "sinks"},
+    "flash_attn": {"softcap"},  # FlashAttention 2/3: softcap; its log-sum-exp carries no gradient for sinks
+    "flash_attn_cute": {"softcap", "sinks"},  # FlashAttention 4: softcap, learnable_sink
+    "torch_varlen": set(),
+}
+
 # Layer types whose token mixing is softmax attention through transformers' AttentionInterface.
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+
+_CHECK_NAME = "longalign_family_check"  # the custom attention a decision asks a model to take
 
 # Families with a name of their own (messages, LoRA's default targets); every other family is "generic".
 NAMED = {
@@ -149,16 +214,9 @@ def decide(config: Any, *, backend: str = "auto") -> Decision:
 
 def decide_model(model: nn.Module, *, backend: str = "auto") -> Decision:
     """The decision for a built model (on any device, the meta device included)."""
-    config = model.config
-    text = config.get_text_config()
     features = read_features(model)
     refusals = _structure_problems(model) + _feature_problems(model, features, backend)
-    return Decision(
-        getattr(config, "model_type", "?"),
-        type(model).__name__,
-        features,
-        tuple(refusals) + tuple(_logit_problems(text)),
-    )
+    return Decision(getattr(model.config, "model_type", "?"), type(model).__name__, features, tuple(refusals))
 
 
 def read_features(model: nn.Module) -> Features:
@@ -168,60 +226,93 @@ def read_features(model: nn.Module) -> Features:
     window = getattr(text, "sliding_window", None)
     if layer_types and "sliding_attention" not in layer_types:
         window = None
+    chunk = getattr(text, "attention_chunk_size", None)
+    if "chunked_attention" not in layer_types:
+        chunk = None  # the attention reads chunks off these layers only, as transformers' masks do
     router = None
     if getattr(text, "output_router_logits", False):
         router = float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0)
+    scale, softcap = _logit_transform_values(model)
     return Features(
         sliding_window=window or None,
-        attention_chunk=getattr(text, "attention_chunk_size", None) or None,
+        attention_chunk=chunk or None,
         attention_softcap=getattr(text, "attn_logit_softcapping", None) or None,
         sinks=any(name.endswith("sinks") for name, _ in model.named_parameters()),
-        logit_scale=logit_scale(text),
-        final_softcap=final_softcap(text),
+        logit_scale=scale,
+        final_softcap=softcap,
         router_loss_coef=router,
         linear_attention_layers=tuple(_token_mixing_layers(model)),
     )
 
 
-def logit_scale(config: Any) -> float | None:
-    """The factor the model puts on its logits after the LM head (``None``: 1)."""
-    scale = 1.0
-    # getattr, not to_dict: some configs (MiniCPM3's logits_scaling) derive the field as a property.
-    for name, factor in LOGIT_SCALE_FIELDS.items():
-        value = getattr(config, name, None)
-        if isinstance(value, int | float):
-            scale *= factor(value)
-    return None if scale == 1.0 else float(scale)
+def _logit_transform_values(model: nn.Module) -> tuple[float | None, float | None]:
+    """The logit scale and final soft-cap the family applies after its head (``LOGIT_TRANSFORMS``)."""
+    found = logit_transform(model)
+    if found is None:
+        return None, None
+    transform, holder, name = found
+    value = getattr(holder, name, None)
+    if not isinstance(value, int | float):
+        return None, None
+    if transform.kind == "softcap":
+        return None, float(value)
+    scale = float(value) if transform.kind == "multiply" else 1 / float(value)
+    return (None if scale == 1.0 else scale), None
 
 
-def final_softcap(config: Any) -> float | None:
-    value = getattr(config, FINAL_SOFTCAP_FIELD, None)
-    return float(value) if isinstance(value, int | float) else None
-
-
-def _logit_problems(config: Any) -> list[str]:
-    found = []
-    for name, value in config.to_dict().items():
-        if value is None or not _LOGIT_LIKE_FIELD.search(name) or _NOT_OUTPUT_FIELD.search(name):
+def _logit_problems(model: nn.Module) -> list[str]:
+    """Config fields that look like a logit transform the loss would not apply (no row in LOGIT_TRANSFORMS)."""
+    found = logit_transform(model)
+    known = {found[0].field.rsplit(".", 1)[-1]} if found else set()
+    problems = []
+    for name, value in model.config.get_text_config().to_dict().items():
+        if value is None or name in known:
             continue
-        known = name in LOGIT_SCALE_FIELDS or name == FINAL_SOFTCAP_FIELD
-        if not known or not isinstance(value, int | float):
-            found.append(
-                f"its config field {name!r} = {value!r} changes the logits in a way the loss does not apply"
+        if _LOGIT_LIKE_FIELD.search(name) and not _NOT_OUTPUT_FIELD.search(name):
+            problems.append(
+                f"its config field {name!r} = {value!r} looks like a change to the logits that the loss does "
+                "not apply"
             )
-    return found
+    return problems
 
 
 def _structure_problems(model: nn.Module) -> list[str]:
     """What no packing can follow: attention outside the interface, positions that are not rotary or
-    depend on the batch, encoders."""
+    depend on the batch, encoders, logit transforms the loss does not know. Text models whose other layers
+    are linear attention (``linear_attention``) take their order from those layers: their attention needs
+    no rotary table of its own."""
     config = model.config
+    layer_types = set(getattr(config.get_text_config(), "layer_types", None) or [])
+    hybrid = (
+        bool(linear_attention_layers(model))
+        and bool(layer_types & ATTENTION_LAYER_TYPES)
+        and getattr(config, "vision_config", None) is None
+    )
     found = []
     if getattr(config, "is_encoder_decoder", False):
         found.append("it is an encoder-decoder model")
-    if not getattr(type(model), "_supports_attention_backend", False):
-        found.append("its attention does not go through transformers' AttentionInterface")
-    if not any(type(module).__name__.endswith("RotaryEmbedding") for module in model.modules()):
+    outside = [
+        type(module).__name__
+        for module in model.modules()
+        if isinstance(module, PreTrainedModel)
+        and not getattr(type(module), "_supports_attention_backend", False)
+    ]
+    if outside and not hybrid:
+        found.append(
+            f"its attention ({', '.join(dict.fromkeys(outside))}) does not go through transformers' AttentionInterface"
+        )
+    kept = _kept_attention(model)
+    if kept is not None:
+        found.append(f"transformers cannot select a custom attention for it (it keeps {kept!r})")
+    if "shared_kv_states" in inspect.signature(type(model).forward).parameters:
+        found.append("it is a drafter that attends to another model's key/value states (shared_kv_states)")
+    if getattr(config.get_text_config(), "keep_window_size", None):
+        found.append(
+            "its attention keeps the keys a learned dynamic mask chooses (keep_window_size), a mask the varlen "
+            "attention cannot apply"
+        )
+    rotary = any(type(module).__name__.endswith("RotaryEmbedding") for module in model.modules())
+    if not rotary and not hybrid:
         found.append("it has no rotary position embedding (learned absolute positions or ALiBi, for example)")
     for params in _rope_parameters(config.get_text_config()):
         rope_type = params.get("rope_type", "default")
@@ -230,48 +321,78 @@ def _structure_problems(model: nn.Module) -> list[str]:
                 f"its rope_type {rope_type!r} derives frequencies from the largest position in the batch, so "
                 "packed samples would change each other's positions"
             )
-        if "mrope_section" in params:
+        if "mrope_section" in params and not hybrid:
             found.append("it uses multimodal rotary embeddings (3D position ids)")
-    return found
+    return found + _logit_problems(model)
 
 
 def _feature_problems(model: nn.Module, features: Features, backend: str) -> list[str]:
-    """What the family adds that longalign's attention, loss or patches do not follow yet."""
+    """What the family adds that the chosen attention backend or longalign's patches do not follow."""
+    runs = BACKEND_RUNS.get(backend, set())
     found = []
-    if features.attention_chunk:
+    if features.attention_softcap and "softcap" not in runs:
         found.append(
-            f"its attention restarts every {features.attention_chunk} tokens (attention_chunk_size), which "
-            "the varlen attention does not follow"
+            f"it soft-caps attention logits, which model.attn_backend {backend!r} cannot apply: use flash_attn, "
+            "flash_attn_cute or sdpa_segments"
         )
-    if features.attention_softcap:
-        found.append("it soft-caps attention logits, which the varlen attention does not apply")
-    if features.sinks:
-        found.append("it has attention sinks, which the varlen attention does not apply")
-    if features.logit_scale or features.final_softcap:
+    if features.sinks and "sinks" not in runs:
         found.append(
-            "it scales or soft-caps its logits after the LM head, which the chunked loss does not follow"
+            f"it has attention sinks, which model.attn_backend {backend!r} cannot apply: use flash_attn_cute "
+            "(FlashAttention 4) or sdpa_segments"
         )
-    if features.router_loss_coef is not None:
-        found.append(
-            "output_router_logits is on and the router loss is not computed; set it to false in "
-            "model.config_overrides (or init_from_config)"
+    covered = {id(module) for module in linear_attention_layers(model)}
+    layers = _layers(model)
+    uncovered = [
+        index
+        for index in features.linear_attention_layers
+        if not any(id(module) in covered for module in layers[index].modules())
+    ]
+    if uncovered:
+        text = model.config.get_text_config()
+        layer_types = list(getattr(text, "layer_types", None) or [])
+        kinds = sorted(
+            {
+                layer_types[index]
+                if index < len(layer_types) and layer_types[index] not in ATTENTION_LAYER_TYPES
+                else "a convolution over the tokens"
+                for index in uncovered
+            }
         )
-    if features.linear_attention_layers:
-        layers = features.linear_attention_layers
-        shown = ", ".join(map(str, layers[:4])) + (f" and {len(layers) - 4} more" if len(layers) > 4 else "")
         found.append(
-            f"its layers {shown} mix tokens through a recurrence or convolution whose state would run from one "
-            "packed sample into the next"
+            f"{len(uncovered)} of its layers mix tokens by {', '.join(map(str, kinds))}, which longalign does not "
+            "restart at each packed sample (it does for gated delta rules with a short convolution)"
         )
     return found
+
+
+def _kept_attention(model: nn.Module) -> str | None:
+    """The attention ``model`` keeps when asked to take a custom one (``None``: it takes it), as
+    ``longalign.patch.apply`` asks; on a copy of the config, so the model itself is left as it was."""
+    from .interface import register
+
+    name = register("sdpa_segments", name=_CHECK_NAME)
+    before = model.config._attn_implementation
+    try:
+        model.set_attn_implementation(name)
+    except (ValueError, ImportError, NotImplementedError):
+        return before
+    finally:
+        kept = model.config._attn_implementation
+        if kept == name:
+            model.set_attn_implementation(before or "eager")
+    return None if kept == name else kept
+
+
+def _layers(model: nn.Module) -> list[nn.Module]:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
 
 
 def _token_mixing_layers(model: nn.Module) -> list[int]:
     """Decoder layers that mix tokens other than by attention: a convolution over the token axis or a
     recurrent state (linear attention, state-space mixers), by their modules."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    layers = [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
+    layers = _layers(model)
     text = model.config.get_text_config()
     layer_types = list(getattr(text, "layer_types", None) or [])
     found = []

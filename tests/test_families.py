@@ -1,0 +1,263 @@
+"""Every causal-LM family of the installed transformers: exact when packed, or refused in one line.
+
+For each model type of transformers' causal-LM registry, a tiny model of its own config class
+(``tests/tiny_configs.py``: windows and chunks of 16 tokens, shorter than the samples) is decided by
+``longalign.patch.families.decide``. A family the decision accepts must train on one packed row of three
+samples (45, 70 and 29 tokens) as the family's own eager model trains on each sample alone: the logits,
+and the gradients of the summed next-token loss. A family it refuses must be refused in one line. A family
+that is neither (accepted and different, or accepted and crashing) fails.
+
+The families run in this one process, float64, on tiny models. ``docs/training/families.md`` holds the
+table of outcomes; the last test checks that it is this run's (``LONGALIGN_WRITE_FAMILIES=1`` rewrites it).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from conftest import ROOT, pack_row
+from tiny_configs import FIRST_SAFE_ID, VOCAB, build, tiny_config
+from transformers import AutoConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+import longalign.patch
+from longalign.patch import families
+
+TYPES = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+LENGTHS = (45, 70, 29)
+# Norm-relative bounds, float64 models: a family's own float32 steps (norms, routers, RoPE tables computed in
+# float32) put packed and alone about 1e-8 apart; a sample that sees another, or a position counted from
+# the row's start, puts them 1e-4 to 1 apart.
+LOGITS_BOUND = 1e-6
+GRADS_BOUND = 1e-5
+TABLE = ROOT / "docs" / "training" / "families.md"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What the registry test found for one model type."""
+
+    model_type: str
+    architecture: str
+    status: str  # "exact", "refused", or a failure: "wrong", "crash"
+    detail: str  # the refusal, the figures, or the error
+    features: tuple[str, ...] = ()
+
+
+def relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
+
+
+def _loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[0, :-1].double(), ids[0, 1:], reduction="sum")
+
+
+def packed_against_alone(model: torch.nn.Module) -> tuple[float, float]:
+    """(logits error, gradients error), norm-relative (the gradients as one vector): ``model`` packed (patched copy) against each
+    sample alone through ``model`` itself (eager)."""
+    packed_model = longalign.patch.apply(copy.deepcopy(model), backend="sdpa_segments")
+    ids = torch.randint(FIRST_SAFE_ID, VOCAB, (1, sum(LENGTHS)), generator=torch.Generator().manual_seed(1))
+    ends = torch.tensor(LENGTHS).cumsum(0).tolist()
+    parts = [slice(end - n, end) for n, end in zip(LENGTHS, ends, strict=True)]
+    cu_seqlens = torch.tensor([0, *ends], dtype=torch.int32)
+    batch = {
+        "input_ids": ids,
+        "position_ids": torch.cat([torch.arange(n) for n in LENGTHS])[None],
+        "cu_seq_lens_q": cu_seqlens,
+        "cu_seq_lens_k": cu_seqlens,
+        "max_length_q": max(LENGTHS),
+        "max_length_k": max(LENGTHS),
+    }
+    packed = packed_model(**batch, use_cache=False).logits
+    sum(_loss(packed[:, part], ids[:, part]) for part in parts).backward()
+    alone = [model(input_ids=ids[:, part], use_cache=False).logits for part in parts]
+    sum(_loss(logits, ids[:, part]) for logits, part in zip(alone, parts, strict=True)).backward()
+    logits_error = relative(packed.double(), torch.cat(alone, dim=1).double())
+    names = [name for name, p in model.named_parameters() if p.grad is not None]
+    actual = dict(packed_model.named_parameters())
+    grads_error = relative(
+        torch.cat([actual[name].grad.double().flatten() for name in names]),
+        torch.cat([model.get_parameter(name).grad.double().flatten() for name in names]),
+    )
+    return logits_error, grads_error
+
+
+@functools.cache
+def outcome(model_type: str) -> Outcome:
+    """The family's decision, and for an accepted one, packed against alone."""
+    transformers.logging.set_verbosity_error()
+    try:
+        config = tiny_config(model_type)
+    except Exception:  # noqa: BLE001 - a config the rules cannot shrink is decided at its defaults
+        config = AutoConfig.for_model(model_type)
+    decision = families.decide(config, backend="sdpa_segments")
+    features = tuple(decision.features.described())
+    if not decision.exact:
+        return Outcome(model_type, decision.architecture, "refused", decision.message(), features)
+    torch.manual_seed(0)
+    try:
+        model = build(config).train()  # dropout is off in the tiny configs; train() as training runs
+        logits_error, grads_error = packed_against_alone(model)
+    except Exception as err:  # noqa: BLE001 - an accepted family that fails is the finding
+        first = (str(err).strip().splitlines() or [""])[0]
+        return Outcome(model_type, decision.architecture, "crash", f"{type(err).__name__}: {first}", features)
+    status = "exact" if logits_error <= LOGITS_BOUND and grads_error <= GRADS_BOUND else "wrong"
+    return Outcome(
+        model_type,
+        decision.architecture,
+        status,
+        f"logits {logits_error:.1e}, gradients {grads_error:.1e} (norm-relative)",
+        features,
+    )
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_every_family_is_exact_when_packed_or_refused_in_one_line(model_type):
+    found = outcome(model_type)
+    assert found.status in ("exact", "refused"), f"{model_type}: {found.status}: {found.detail}"
+    if found.status == "refused":
+        assert "\n" not in found.detail and "cannot train on packed samples exactly" in found.detail
+
+
+def test_the_families_the_manual_names_are_exact():
+    """The families users fine-tune in 2026, the ones packing needed work for among them."""
+    named = [
+        "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "glm", "glm4", "glm4_moe", "deepseek_v3",
+        "gemma2", "gemma3_text", "gpt_oss", "llama4_text", "granite", "cohere2", "qwen3_next", "qwen3_5_text",
+        "phi3", "olmo2", "smollm3",
+    ]  # fmt: skip
+    assert {name: outcome(name).status for name in named} == dict.fromkeys(named, "exact")
+
+
+def table() -> str:
+    """The manual's table: every model type, its decision and why."""
+    outcomes = [outcome(model_type) for model_type in TYPES]
+    exact = sum(found.status == "exact" for found in outcomes)
+    lines = [
+        f"{exact} of {len(outcomes)} causal-LM families of transformers {transformers.__version__} pack exactly; "
+        f"{len(outcomes) - exact} are refused before any data is prepared.",
+        "",
+        "| model type | class | packed | what packing follows, or why it is refused |",
+        "|---|---|---|---|",
+    ]
+    for found in outcomes:
+        if found.status == "refused":
+            why = found.detail.partition("exactly: ")[2].partition(". Choose a model")[0]
+        else:
+            why = ", ".join(found.features) or "causal attention"
+        lines.append(f"| `{found.model_type}` | `{found.architecture}` | {found.status} | {why} |")
+    return "\n".join(lines) + "\n"
+
+
+def test_the_manual_s_table_is_this_run_s():
+    text = TABLE.read_text()
+    begin, end = "<!-- families table: begin -->\n", "<!-- families table: end -->"
+    head, _, rest = text.partition(begin)
+    current, _, tail = rest.partition(end)
+    if os.environ.get("LONGALIGN_WRITE_FAMILIES"):
+        TABLE.write_text(head + begin + table() + end + tail)
+    assert current == table(), f"run LONGALIGN_WRITE_FAMILIES=1 pytest {__file__} to rewrite the table"
+
+
+# The families packing needed work for, each through one plain SGD step of the real run.
+STEPPED = [
+    "llama4_text",
+    "gemma2",
+    "gpt_oss",
+    "granite",
+    "cohere2",
+    "qwen3_moe",
+    "qwen3_next",
+    "qwen3_5_text",
+]
+# Float32 runs (the experts' default kernels have no float64 CPU path): the update, norm-relative.
+UPDATE_BOUND = 1e-4
+
+
+def _samples() -> list[tuple[list[int], list[int]]]:
+    generator = torch.Generator().manual_seed(2)
+    samples = []
+    for length in LENGTHS:
+        ids = torch.randint(FIRST_SAFE_ID, VOCAB, (length,), generator=generator).tolist()
+        samples.append((ids, [-100, *ids[1:]]))  # every next token a target; the first has no context
+    return samples
+
+
+def expected_update(model: torch.nn.Module, samples) -> dict[str, torch.Tensor]:
+    """Minus the gradient of the token-level loss over the samples, each alone through the eager model,
+    plus the router loss of the pack (its tokens' router logits, as transformers' own loss takes them)."""
+    targets = sum(len(ids) - 1 for ids, _ in samples)
+    coef = model.config.router_aux_loss_coef if getattr(model.config, "output_router_logits", False) else 0.0
+    total, routers = 0.0, []
+    for ids, _ in samples:
+        out = model(input_ids=torch.tensor([ids]), use_cache=False, output_router_logits=bool(coef))
+        total = total + _loss(out.logits, torch.tensor([ids])) / targets
+        routers.append(out.router_logits if coef else None)
+    if coef:
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+        layers = [torch.cat(per_layer, dim=0) for per_layer in zip(*routers, strict=True)]
+        total = total + coef * load_balancing_loss_func(
+            tuple(layers), model.config.num_experts, model.config.num_experts_per_tok
+        )
+    total.backward()
+    return {name: -p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("model_type", STEPPED)
+def test_one_sgd_step_of_the_run_equals_the_family_s_own_model_on_each_sample_alone(model_type, tmp_path):
+    from conftest import TOKENIZER, save_packs
+
+    from longalign.cli import main
+
+    config = tiny_config(model_type)
+    if model_type == "qwen3_moe":
+        config.output_router_logits, config.router_aux_loss_coef = True, 0.5
+    torch.manual_seed(0)
+    build(config).float().save_pretrained(tmp_path / "base")
+    samples = _samples()
+    packs = save_packs(tmp_path / "packs", [pack_row(samples)])
+    run_file = tmp_path / "run.toml"
+    run_file.write_text(
+        f"[data]\ntrain_file = '{packs}'\nmax_seq_len = {sum(LENGTHS)}\n[loss]\nweighting = 'token_level'\n"
+        f"[training]\noutput_dir = '{tmp_path / 'run'}'\nmax_steps = 1\nlearning_rate = 1.0\noptim = 'sgd'\n"
+        "lr_scheduler_type = 'constant'\nmax_grad_norm = 0.0\nweight_decay = 0.0\nuse_cpu = true\n"
+        "save_strategy = 'no'\nlogging_steps = 1\nreport_to = 'none'\ndisable_tqdm = true\n"
+        f"[model]\nmodel_name_or_path = '{tmp_path / 'base'}'\ntokenizer = '{TOKENIZER}'\n"
+        "torch_dtype = 'float32'\nattn_backend = 'sdpa_segments'\n"
+    )
+    assert main(["train", "--config", str(run_file)]) == 0
+    before = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", attn_implementation="eager")
+    # The saved weights with the base's config: the run's saved config names the tokenizer's special tokens.
+    after = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run", config=before.config)
+    trained = dict(after.named_parameters())
+    want = expected_update(before.train(), samples)
+    names = sorted(want)
+    got = torch.cat([(trained[name] - before.get_parameter(name)).detach().flatten() for name in names])
+    error = relative(got.double(), torch.cat([want[name].flatten() for name in names]).double())
+    assert error < UPDATE_BOUND, f"{model_type}: the update is {error:.1e} off"
+
+
+def test_a_refusal_is_one_line_from_the_dry_run_before_any_data_is_prepared(tmp_path, capsys):
+    from conftest import DEMO, SAMPLE
+
+    from longalign.cli import main
+
+    gpt2 = '{model_type = "gpt2", vocab_size = 4096, n_layer = 1, n_embd = 16, n_head = 2}'
+    status = main(
+        ["train", "--dry-run", "--config", str(DEMO), f"model.init_from_config={gpt2}"]
+        + [f"data.train_file='{SAMPLE}'", f"training.output_dir='{tmp_path / 'run'}'"]
+    )
+    error = capsys.readouterr().err.strip()
+    assert status == 2 and len(error.splitlines()) == 1
+    assert "GPT2LMHeadModel (model type 'gpt2') cannot train on packed samples exactly" in error
+    assert "no rotary position embedding" in error
+    assert not (tmp_path / "run").exists()
