@@ -199,11 +199,16 @@ class Decision:
 
 def decide(config: Any, *, backend: str = "auto") -> Decision:
     """The decision for a model of ``config`` (a transformers config), on attention ``backend``."""
-    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     model_type = getattr(config, "model_type", "?")
     try:
-        model = _on_meta(lambda: AutoModelForCausalLM.from_config(config))
+        # The class itself, not from_config: under DeepSpeed ZeRO-3 from_config partitions the weights as
+        # they are made, which a meta tensor cannot be.
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        wanted = getattr(cls, "config_class", None)
+        own = config if wanted is None or isinstance(config, wanted) else config.get_text_config()
+        model = _on_meta(lambda: cls(own))
     except Exception as err:  # noqa: BLE001 - any failure to build is the reason
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         return Decision(

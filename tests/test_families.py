@@ -91,7 +91,17 @@ def packed_against_alone(model: torch.nn.Module) -> tuple[float, float]:
 
 @functools.cache
 def outcome(model_type: str) -> Outcome:
-    """The family's decision, and for an accepted one, packed against alone."""
+    """The family's decision, and for an accepted one, packed against alone (on one thread: the tiny
+    float64 operations run several times slower split over threads)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _outcome(model_type)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _outcome(model_type: str) -> Outcome:
     transformers.logging.set_verbosity_error()
     try:
         config = tiny_config(model_type)
