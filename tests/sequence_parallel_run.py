@@ -8,7 +8,8 @@ run under ``accelerate launch`` for the split runs, every variant of a launch in
 ``ENGINE`` is ``ddp`` or ``zero<STAGE>`` (DeepSpeed ZeRO, e.g. ``zero3``); the DDP variants come first, since
 a DeepSpeed trainer leaves its engine set up in the process. A variant is ``WEIGHTING``,
 ``WEIGHTING:adapters`` (LoRA adapters on the tiny model, ``ADAPTERS``), ``WEIGHTING:moe`` (the tiny
-Qwen3-MoE with its router loss), or ``WEIGHTING:CONTROL`` with a control that breaks the split on purpose
+Qwen3-MoE with its router loss), ``WEIGHTING:window`` (a tiny Mistral whose sliding window is shorter than
+every sample), or ``WEIGHTING:CONTROL`` with a control that breaks the split on purpose
 (``CONTROLS``). For each, rank 0 writes, under ``ENGINE/VARIANT``,
 the parameters after one plain SGD step (no clipping, no momentum, learning rate 1: the update is the
 gradient the engine applied), the step's loss, the eval loss and the step's logged counts; and, under
@@ -67,14 +68,20 @@ class WholePackWeights(PackCollator):
 CONTROLS = {"in_shard_shift": InShardShift, "whole_pack_weights": WholePackWeights}
 # Adapters on every projection, and the norms trained whole: what trains is the adapters' B and the norms.
 ADAPTERS = LoraConfig(r=4, alpha=8.0, trainable=["norms"])
+WINDOW = 4  # tokens each query sees in the "window" case: fewer than any sample has
 
 
-def model(size: int, adapters: bool = False, moe: bool = False) -> torch.nn.Module:
-    """The tiny model (or the tiny MoE), patched to split packs over ``size`` ranks, with ``ADAPTERS`` if asked."""
-    if moe:  # same attention shape as the tiny model: DeepSpeed's groups and wrapper serve both
+def model(size: int, case: str = "") -> torch.nn.Module:
+    """The tiny model for ``case`` ("", "adapters", "moe", "window" or "no_window": the same Mistral attending
+    over whole samples), patched to split packs over ``size`` ranks. Every case has the tiny model's attention
+    shape, so DeepSpeed's groups and wrapper, set up once per process, serve them all."""
+    if case == "moe":
         return tiny_moe(dtype=torch.float32, sequence_parallel_size=size)
+    if case in ("window", "no_window"):
+        window = WINDOW if case == "window" else None
+        return tiny_model("mistral", backend="sdpa_segments", sequence_parallel_size=size, sliding_window=window)
     base = tiny_model(backend="sdpa_segments", sequence_parallel_size=size)
-    return add_adapters(base, ADAPTERS, base_model="tiny") if adapters else base
+    return add_adapters(base, ADAPTERS, base_model="tiny") if case == "adapters" else base
 
 
 def packs() -> datasets.Dataset:
@@ -153,7 +160,7 @@ def one_step(variant: str, *, size: int = 1, zero_stage: int | None = None) -> d
                 weighting=weighting, sequence_parallel_size=size, sequence_parallel_rank=rank % size
             )
         trainer = LongAlignTrainer(
-            model=model(size, adapters=control == "adapters", moe=control == "moe"),
+            model=model(size, "" if control in CONTROLS else control),
             args=args,
             train_dataset=packs(),
             eval_dataset=packs(),

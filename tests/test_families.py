@@ -17,6 +17,7 @@ import copy
 import functools
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -221,9 +222,10 @@ def expected_update(model: torch.nn.Module, samples) -> dict[str, torch.Tensor]:
     return {name: -p.grad for name, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.integration
-@pytest.mark.parametrize("model_type", STEPPED)
-def test_one_sgd_step_of_the_run_equals_the_family_s_own_model_on_each_sample_alone(model_type, tmp_path):
+def run_one_step(model_type: str, tmp_path: Path, lora: str = "") -> tuple[torch.nn.Module, list]:
+    """One plain SGD step (learning rate 1) of ``longalign train`` on one pack of the samples, from a tiny
+    random base of ``model_type`` saved in ``tmp_path / "base"``, with ``[lora]`` settings if given; the base
+    (eager attention) and the samples."""
     from conftest import TOKENIZER, save_packs
 
     from longalign.cli import main
@@ -242,18 +244,53 @@ def test_one_sgd_step_of_the_run_equals_the_family_s_own_model_on_each_sample_al
         "lr_scheduler_type = 'constant'\nmax_grad_norm = 0.0\nweight_decay = 0.0\nuse_cpu = true\n"
         "save_strategy = 'no'\nlogging_steps = 1\nreport_to = 'none'\ndisable_tqdm = true\n"
         f"[model]\nmodel_name_or_path = '{tmp_path / 'base'}'\ntokenizer = '{TOKENIZER}'\n"
-        "torch_dtype = 'float32'\nattn_backend = 'sdpa_segments'\n"
+        "torch_dtype = 'float32'\nattn_backend = 'sdpa_segments'\n" + (f"[lora]\n{lora}\n" if lora else "")
     )
     assert main(["train", "--config", str(run_file)]) == 0
-    before = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", attn_implementation="eager")
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", attn_implementation="eager")
+    return base, samples
+
+
+def relative_update(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    names = sorted(want)
+    assert names and set(got) >= set(names), sorted(set(names) - set(got))
+    return relative(
+        torch.cat([got[name].detach().double().flatten() for name in names]),
+        torch.cat([want[name].double().flatten() for name in names]),
+    )
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("model_type", STEPPED)
+def test_one_sgd_step_of_the_run_equals_the_family_s_own_model_on_each_sample_alone(model_type, tmp_path):
+    before, samples = run_one_step(model_type, tmp_path)
     # The saved weights with the base's config: the run's saved config names the tokenizer's special tokens.
     after = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run", config=before.config)
-    trained = dict(after.named_parameters())
-    want = expected_update(before.train(), samples)
-    names = sorted(want)
-    got = torch.cat([(trained[name] - before.get_parameter(name)).detach().flatten() for name in names])
-    error = relative(got.double(), torch.cat([want[name].flatten() for name in names]).double())
+    got = {name: p - before.get_parameter(name) for name, p in after.named_parameters()}
+    error = relative_update(got, expected_update(before.train(), samples))
     assert error < UPDATE_BOUND, f"{model_type}: the update is {error:.1e} off"
+
+
+@pytest.mark.integration
+def test_one_lora_step_on_a_mixture_of_experts_equals_its_own_model_on_each_sample_alone(tmp_path):
+    """Adapters on Qwen3-MoE's attention, router and experts, with the router loss: the step's update of
+    every adapter is the gradient of the model's own loss on each sample alone. peft starts each B at zero,
+    where A gets no gradient: the trained adapter with its B set back to zero is the one the step began at."""
+    from peft import PeftModel
+
+    before, samples = run_one_step("qwen3_moe", tmp_path, lora="r = 4\nalpha = 8.0")
+    adapted = PeftModel.from_pretrained(before, tmp_path / "run", is_trainable=True)
+    trained = {name: p.detach().clone() for name, p in adapted.named_parameters() if p.requires_grad}
+    assert any(".experts." in name for name in trained) and any(".gate." in name for name in trained)
+    with torch.no_grad():
+        for name, param in adapted.named_parameters():
+            if "lora_B" in name:
+                param.zero_()
+    want = expected_update(adapted.train(), samples)
+    assert all("lora_B" in name for name in want if want[name].abs().max() > 0)  # A: no gradient at B = 0
+    got = {name: trained[name] - (0 if "lora_B" in name else trained[name]) for name in trained}
+    error = relative_update(got, want)
+    assert error < UPDATE_BOUND, f"the adapters' update is {error:.1e} off"
 
 
 def test_a_refusal_is_one_line_from_the_dry_run_before_any_data_is_prepared(tmp_path, capsys):

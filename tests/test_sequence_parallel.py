@@ -130,6 +130,7 @@ LAUNCHES = {
             "ddp/token_level:whole_pack_weights",
             "ddp/sequence_level:adapters",
             "ddp/token_level:moe",
+            "ddp/sequence_level:window",
             *(f"zero3/{weighting}" for weighting in WEIGHTINGS),
         ],
     ),
@@ -216,7 +217,7 @@ def test_split_packs_give_the_step_of_the_whole_packs(name, launched, reference)
 def test_adapters_train_the_same_step_on_split_packs(launched):
     """LoRA adapters (and trained norms) on split packs: the update the unsplit step applies, exactly."""
     got = outcome(launched("2 ranks"), "ddp/sequence_level:adapters")
-    start = {name: p.detach().clone() for name, p in model(1, adapters=True).named_parameters()}
+    start = {name: p.detach().clone() for name, p in model(1, "adapters").named_parameters()}
     want = one_step("sequence_level:adapters")
     moved = [name for name in start if not torch.equal(want["params"][name], start[name])]
     assert moved and all("lora_B" in name or "norm" in name for name in moved)  # the base stays frozen
@@ -233,12 +234,28 @@ def test_the_router_loss_of_split_packs_is_the_router_loss_of_the_whole_packs(la
     """A mixture of experts with its router loss on split packs: each rank's routing counts summed over
     the group, its own tokens' probabilities backpropagated, give the unsplit step's update and router loss."""
     got = outcome(launched("2 ranks"), "ddp/token_level:moe")
-    start = {name: p.detach().clone() for name, p in model(1, moe=True).named_parameters()}
+    start = {name: p.detach().clone() for name, p in model(1, "moe").named_parameters()}
     want = one_step("token_level:moe")
     assert update_difference(got, want, start) < 1e-4
     assert got["loss"] == pytest.approx(want["loss"], rel=FLOAT32_BOUND)
     assert got["logged"]["router_loss"] == pytest.approx(want["logged"]["router_loss"], rel=FLOAT32_BOUND)
     assert got["logged"]["packs_per_step"] == want["logged"]["packs_per_step"] == 4
+
+
+@pytest.mark.integration
+@needs_launcher
+@needs_deepspeed
+def test_a_sliding_window_family_trains_the_same_step_on_split_packs(launched):
+    """Mistral with a window shorter than every sample: each rank's heads see the whole pack inside
+    attention, where the window applies within each sample, as the unsplit step has it."""
+    got = outcome(launched("2 ranks"), "ddp/sequence_level:window")
+    start = {name: p.detach().clone() for name, p in model(1, "window").named_parameters()}
+    want = one_step("sequence_level:window")
+    assert update_difference(got, want, start) < 1e-4
+    assert got["loss"] == pytest.approx(want["loss"], rel=FLOAT32_BOUND)
+    assert got["eval_loss"] == pytest.approx(want["eval_loss"], rel=FLOAT32_BOUND)
+    # The window bites: the same weights attending over whole samples take another step.
+    assert update_difference(one_step("sequence_level:no_window"), want, start) > 0.01
 
 
 @pytest.mark.integration
