@@ -79,7 +79,9 @@ def model(size: int, case: str = "") -> torch.nn.Module:
         return tiny_moe(dtype=torch.float32, sequence_parallel_size=size)
     if case in ("window", "no_window"):
         window = WINDOW if case == "window" else None
-        return tiny_model("mistral", backend="sdpa_segments", sequence_parallel_size=size, sliding_window=window)
+        return tiny_model(
+            "mistral", backend="sdpa_segments", sequence_parallel_size=size, sliding_window=window
+        )
     base = tiny_model(backend="sdpa_segments", sequence_parallel_size=size)
     return add_adapters(base, ADAPTERS, base_model="tiny") if case == "adapters" else base
 
