@@ -431,6 +431,7 @@ def _derived_extras(cls, d):
     if cls is None or not dataclasses.is_dataclass(cls):
         return []
     fields = {f.name for f in dataclasses.fields(cls)}
+    fields |= set(getattr(cls, "attribute_map", {}).values())  # stored under the alias's target name
     found = []
     for key in d:
         if key in fields or key in BASE_FIELDS or isinstance(d[key], dict) and key.endswith("config"):
