@@ -548,8 +548,10 @@ def _segments_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``sdpa_segments``' forward with its log-sum-exp: ``out [T, Hq, Dv]`` and ``lse [Hq, T]``.
 
-    Each sample's attention written out as in :func:`_explicit_attention` (the sinks in the denominator:
-    ``lse = log(sum_k exp(s_qk) + exp(sink))``), in float32 at least; ``lse`` stays in that dtype.
+    Each sample through CPU's fused kernel (``_scaled_dot_product_flash_attention_for_cpu``, which returns
+    its log-sum-exp and never holds the scores whole), or, with soft-capping or sinks, which it lacks,
+    written out as in :func:`_explicit_attention` (the sinks in the denominator:
+    ``lse = log(sum_k exp(s_qk) + exp(sink))``), in float32 at least; ``lse`` is kept in that dtype.
     """
     bounds = _sample_bounds(call.cu_seqlens, q.shape[0])
     work = torch.promote_types(q.dtype, torch.float32)
@@ -583,7 +585,7 @@ def _segments_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The exact backward of :func:`_segments_forward` from its ``out`` and ``lse``, as a flash kernel's.
 
-    Per sample, with ``P = exp(scores - lse)`` rebuilt from the kept ``lse`` and ``D = rowsum(dO * O)``::
+    CPU's fused backward where the forward was fused; written out otherwise, per sample, with ``P = exp(scores - lse)`` rebuilt from the kept ``lse`` and ``D = rowsum(dO * O)``::
 
         dV = P^T dO      dP = dO V^T      dS = P * (dP - D)   (times 1 - tanh^2 under a soft-cap)
         dQ = scale dS K  dK = scale dS^T Q                    dsink = -sum_q exp(sink - lse) * D
@@ -602,18 +604,14 @@ def _segments_backward(
             continue
         if sinks is None and call.softcap is None:
             fused = _fused_inputs(q[start:end], k[start:end], v[start:end], call)
-            kept = (x[start:end].transpose(0, 1)[None] for x in (dout, out))
+            dout_i, out_i = (x[start:end].transpose(0, 1)[None] for x in (dout, out))
+            lse_i = lse[None, :, start:end].contiguous()
             dq_i, dk_i, dv_i = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                next(kept),
-                *fused[:3],
-                next(kept),
-                lse[None, :, start:end].to(fused[0].dtype),
-                *fused[3:5],
-                **fused[5],
+                dout_i, *fused[:3], out_i, lse_i, *fused[3:5], **fused[5]
             )
             dq[start:end] = dq_i[0].transpose(0, 1)
             for grad, grad_i in ((dk, dk_i), (dv, dv_i)):  # each key/value head's query group summed
-                grad[start:end] = grad_i[0].unflatten(0, (kv_heads, -1)).sum(1).transpose(0, 1)
+                grad[start:end] = grad_i[0].unflatten(0, (kv_heads, -1)).sum(1, dtype=work).transpose(0, 1)
             continue
         lse_i = lse[:, start:end].reshape(kv_heads, heads // kv_heads, end - start)
         probabilities, _, slope = _sample_probabilities(q[start:end], k[start:end], sinks, call, work, lse_i)

@@ -556,3 +556,28 @@ def test_per_kv_head_runs_each_group_s_forward_once_and_its_backward_once(monkey
     got = loss_and_grads(True)
     assert calls == ["forward"] * 3 + ["backward"] * 3
     assert relative_error(got, want) <= 1e-12
+
+
+def test_per_kv_head_without_a_callable_backward_runs_each_group_through_the_kernel_s_autograd(monkeypatch):
+    """A backend whose kernel's backward longalign cannot call (none registered, as for a kernel put in by
+    the memory simulation): each group runs through the kernel's own autograd, values and gradients as
+    whole (float64)."""
+    q, k, v, cu_seqlens = random_pack([6, 1, 8], 4, 2, 8, seed=8)
+    sinks = torch.randn(4, dtype=q.dtype, generator=torch.Generator().manual_seed(9), requires_grad=True)
+    cotangent = torch.randn(q.shape, dtype=q.dtype, generator=torch.Generator().manual_seed(10))
+    options = {"cu_seqlens": cu_seqlens, "max_seqlen": 8, "softcap": 2.0, "sinks": sinks}
+    want = varlen_attention(q, k, v, **options)
+    heads = []
+    whole = attention._BACKEND_FUNCTIONS["sdpa_segments"]
+
+    def recorded(q, k, v, *args, **kwargs):
+        heads.append((q.shape[1], k.shape[1]))
+        return whole(q, k, v, *args, **kwargs)
+
+    monkeypatch.delitem(attention._KEPT_FUNCTIONS, "sdpa_segments")
+    monkeypatch.setitem(attention._BACKEND_FUNCTIONS, "sdpa_segments", recorded)
+    got = varlen_attention(q, k, v, per_kv_head=True, **options)
+    assert heads == [(2, 1), (2, 1)]
+    inputs = (q, k, v, sinks)
+    grads_got, grads_want = (torch.autograd.grad(x, inputs, cotangent) for x in (got, want))
+    assert relative_error([got, *grads_got], [want, *grads_want]) <= 1e-12
