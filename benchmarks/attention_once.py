@@ -119,7 +119,9 @@ def main() -> None:
             f"{row['rest'] / 1e9:>10.3f} {row['total'] / 1e9:>10.3f}"
         )
     kept, again = rows["kept (longalign)"], rows["forward again"]
-    print(f"attention: kept / forward again = {kept['attention'] / again['attention']:.3f} (forward 4 + backward 10 of 4 + 4 + 10)")
+    print(
+        f"attention: kept / forward again = {kept['attention'] / again['attention']:.3f} (forward 4 + backward 10 of 4 + 4 + 10)"
+    )
     print(f"step:      kept / forward again = {kept['total'] / again['total']:.3f}")
 
 
