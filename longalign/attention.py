@@ -153,10 +153,24 @@ def varlen_attention(
         options = extras if sinks is None else {**extras, "sinks": sinks}
         return function(q, k, v, cu_seqlens, int(max_seqlen), causal, scale, dropout, window, **options)
 
-    # With dropout a recompute would draw other masks than the forward: the kernel runs whole.
-    if per_kv_head and k.shape[1] > 1 and not dropout:
-        return _PerKVHead.apply(kernel, q, k, v, sinks)
-    return kernel(q, k, v, sinks)
+    # With dropout the kernel runs whole: its backward would need each group's random state.
+    if not per_kv_head or k.shape[1] == 1 or dropout:
+        return kernel(q, k, v, sinks)
+    kept = _KEPT_FUNCTIONS.get(name)
+    if kept is not None and (sinks is None or kept.sinks) and _kept_arguments_taken(name, kept):
+        call = _Call(cu_seqlens, int(max_seqlen), causal, scale, window, softcap)
+        return _PerKVHead.apply(kept, call, q, k, v, sinks)
+    # A kernel whose backward cannot be called on its own: each group through the kernel's own autograd,
+    # which keeps that group's output besides the one concatenated here.
+    groups = _kv_head_groups(q.shape[1], k.shape[1])
+    return torch.cat(
+        [kernel(q[:, h], k[:, g], v[:, g], None if sinks is None else sinks[h]) for h, g in groups], dim=1
+    )
+
+
+def _kept_arguments_taken(name: str, kept: _Kept) -> bool:
+    """Whether this release of ``name``'s kernel takes what ``kept`` passes it."""
+    return all(_accepts(_kernel(name)[0], argument) for argument in kept.arguments)
 
 
 def chunked_cu_seqlens(cu_seqlens: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -176,6 +190,33 @@ def chunked_cu_seqlens(cu_seqlens: torch.Tensor, chunk: int) -> torch.Tensor:
     return torch.cat([starts[sample] + within * chunk, cu_seqlens[-1:]]).to(cu_seqlens.dtype)
 
 
+class _Call(NamedTuple):
+    """What every kernel call of one ``varlen_attention`` shares besides the tensors."""
+
+    cu_seqlens: torch.Tensor  # int32, on the tensors' device
+    max_seqlen: int
+    causal: bool
+    scale: float | None
+    window: int | None
+    softcap: float | None
+
+
+class _Kept(NamedTuple):
+    """A kernel's forward that hands back its log-sum-exp, and the kernel's backward that takes it.
+
+    ``forward(q, k, v, sinks, call) -> (out, lse)``;
+    ``backward(dout, q, k, v, out, lse, sinks, call) -> (dq, dk, dv, dsinks or None)``. ``lse`` is whatever
+    the kernel returns (FlashAttention's and torch's: float32 ``[heads, tokens]``), handed back unread.
+    ``sinks`` says whether the pair takes attention sinks; ``arguments`` are keyword arguments the
+    backend's varlen entry point must take for the pair to exist in that release.
+    """
+
+    forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    backward: Callable[..., tuple[torch.Tensor | None, ...]]
+    sinks: bool = False
+    arguments: tuple[str, ...] = ()
+
+
 class _PerKVHead(torch.autograd.Function):
     """Attention one key/value head at a time: the kernel runs on that head and its query heads alone.
 
@@ -186,56 +227,54 @@ class _PerKVHead(torch.autograd.Function):
     and here they exist for one key/value head's group at a time. For Hq = 4, Hkv = 2::
 
         q [T, 4, D]   heads 0 1 | 2 3        out [T, 4, D]: each group's output written into its heads
-        k, v [T, 2, D]      0   |   1        (one buffer, no list of groups and their concatenation)
+        k, v [T, 2, D]      0   |   1        lse: one per group, [2, T] float32 each (FlashAttention's)
 
-    The kernel's own autograd keeps what its backward needs (its output, the log-sum-exp) out of reach, so
-    nothing of it is kept: backward runs each group's forward again and differentiates that alone, writing
-    the group's gradients into ``dq``, ``dk``, ``dv`` (and the sinks', one per query head, into ``dsinks``).
-    This costs one more forward of the kernel; the memory kept is ``q``, ``k``, ``v``, as every attention
-    keeps them.
+    Forward runs each group's kernel once and keeps, as the kernel's own autograd would, ``q``, ``k``,
+    ``v``, the output (one buffer, the o-projection's input, which that layer keeps anyway) and each group's
+    log-sum-exp (float32 ``[heads, tokens]``: 4 bytes per token per query head, 0.03 bytes per token per
+    unit of hidden for Llama-3.1-8B's head size 128). Backward calls the kernel's backward on each group
+    (no forward runs again), writing the group's gradients into ``dq``, ``dk``, ``dv`` (and the sinks',
+    one per query head, into ``dsinks``).
     """
 
     @staticmethod
     def forward(
         ctx,
-        kernel: Callable,
+        kept: _Kept,
+        call: _Call,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
         sinks: torch.Tensor | None,
     ) -> torch.Tensor:
-        ctx.kernel = kernel
-        ctx.autocast = torch.is_autocast_enabled(q.device.type), torch.get_autocast_dtype(q.device.type)
-        ctx.save_for_backward(q, k, v, sinks)
-        out = None
+        ctx.kept, ctx.call = kept, call
+        out, lses = None, []
         for heads, kv_head in _kv_head_groups(q.shape[1], k.shape[1]):
-            y = kernel(q[:, heads], k[:, kv_head], v[:, kv_head], None if sinks is None else sinks[heads])
+            group_sinks = None if sinks is None else sinks[heads]
+            y, lse = kept.forward(q[:, heads], k[:, kv_head], v[:, kv_head], group_sinks, call)
             if out is None:
                 out = y.new_empty((q.shape[0], q.shape[1], y.shape[-1]))
             out[:, heads] = y
+            lses.append(lse)
+        ctx.save_for_backward(q, k, v, sinks, out, *lses)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, sinks = ctx.saved_tensors
+        q, k, v, sinks, out, *lses = ctx.saved_tensors
         inputs = (q, k, v, sinks)
-        wanted = [want and x is not None for x, want in zip(inputs, ctx.needs_input_grad[1:], strict=True)]
+        wanted = [want and x is not None for x, want in zip(inputs, ctx.needs_input_grad[2:], strict=True)]
         grads = [torch.empty_like(x) if want else None for x, want in zip(inputs, wanted, strict=True)]
-        enabled, dtype = ctx.autocast
-        for heads, kv_head in _kv_head_groups(q.shape[1], k.shape[1]):
+        grad_out = grad_out.to(out.dtype)  # the kernels take dout in their output's dtype
+        groups = _kv_head_groups(q.shape[1], k.shape[1])
+        for (heads, kv_head), lse in zip(groups, lses, strict=True):
             where = (heads, kv_head, kv_head, heads)
-            parts = [
-                None if x is None else _heads(x, at).detach().requires_grad_(want)
-                for x, at, want in zip(inputs, where, wanted, strict=True)
-            ]
-            with torch.enable_grad(), torch.autocast(q.device.type, dtype=dtype, enabled=enabled):
-                y = ctx.kernel(*parts)
-            needed = [x for x in parts if x is not None and x.requires_grad]
-            found = iter(torch.autograd.grad(y, needed, grad_out[:, heads]))
-            for grad, at in zip(grads, where, strict=True):
+            parts = [None if x is None else _heads(x, at) for x, at in zip(inputs, where, strict=True)]
+            found = ctx.kept.backward(grad_out[:, heads], *parts[:3], out[:, heads], lse, parts[3], ctx.call)
+            for grad, at, part in zip(grads, where, found, strict=True):
                 if grad is not None:
-                    _heads(grad, at).copy_(next(found))
-        return None, *grads
+                    _heads(grad, at).copy_(part)
+        return None, None, *grads
 
 
 def _heads(x: torch.Tensor, at: slice) -> torch.Tensor:
@@ -443,10 +482,8 @@ def _sdpa_segments(
     each scatter into a zero tensor the size of the whole pack. SDPA has neither soft-capping nor sinks:
     with either, each sample's attention is written out (:func:`_explicit_attention`).
     """
-    bounds = cu_seqlens.tolist()
+    bounds = _sample_bounds(cu_seqlens, q.shape[0])
     lengths = [end - start for start, end in pairwise(bounds)]
-    if bounds[0] != 0 or bounds[-1] != q.shape[0] or min(lengths, default=0) < 0:
-        raise ValueError(f"cu_seqlens {bounds} must rise from 0 to the {q.shape[0]} tokens")
     outputs = []
     for q_i, k_i, v_i in zip(*(x.split(lengths) for x in (q, k, v)), strict=True):
         if len(q_i) == 0:
@@ -504,6 +541,150 @@ def _explicit_attention(
         weights = F.dropout(weights, dropout)
     out = torch.einsum("hgqk,khd->qhgd", weights, v.to(work))
     return out.reshape(length, heads, v.shape[-1]).to(q.dtype)
+
+
+def _segments_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, call: _Call
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sdpa_segments``' forward with its log-sum-exp: ``out [T, Hq, Dv]`` and ``lse [Hq, T]``.
+
+    Each sample through CPU's fused kernel (``_scaled_dot_product_flash_attention_for_cpu``, which returns
+    its log-sum-exp and never holds the scores whole), or, with soft-capping or sinks, which it lacks,
+    written out as in :func:`_explicit_attention` (the sinks in the denominator:
+    ``lse = log(sum_k exp(s_qk) + exp(sink))``), in float32 at least; ``lse`` is kept in that dtype.
+    """
+    bounds = _sample_bounds(call.cu_seqlens, q.shape[0])
+    work = torch.promote_types(q.dtype, torch.float32)
+    out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
+    lse = torch.empty((q.shape[1], q.shape[0]), dtype=work, device=q.device)
+    for start, end in pairwise(bounds):
+        if end == start:
+            continue
+        if sinks is None and call.softcap is None:  # CPU's fused kernel, scores never held whole
+            fused = _fused_inputs(q[start:end], k[start:end], v[start:end], call)
+            out_i, lse_i = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(*fused[:5], **fused[5])
+            out[start:end] = out_i[0].transpose(0, 1)
+            lse[:, start:end] = lse_i[0]
+            continue
+        probabilities, lse_i, _ = _sample_probabilities(q[start:end], k[start:end], sinks, call, work)
+        out_i = torch.einsum("hgqk,khd->qhgd", probabilities, v[start:end].to(work))
+        out[start:end] = out_i.reshape(end - start, q.shape[1], v.shape[2])
+        lse[:, start:end] = lse_i.reshape(q.shape[1], end - start)
+    return out, lse
+
+
+def _segments_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    sinks: torch.Tensor | None,
+    call: _Call,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The exact backward of :func:`_segments_forward` from its ``out`` and ``lse``, as a flash kernel's.
+
+    CPU's fused backward where the forward was fused; written out otherwise, per sample, with ``P = exp(scores - lse)`` rebuilt from the kept ``lse`` and ``D = rowsum(dO * O)``::
+
+        dV = P^T dO      dP = dO V^T      dS = P * (dP - D)   (times 1 - tanh^2 under a soft-cap)
+        dQ = scale dS K  dK = scale dS^T Q                    dsink = -sum_q exp(sink - lse) * D
+
+    (the sink is one more column of the softmax with no value: its ``dP`` is 0).
+    """
+    bounds = _sample_bounds(call.cu_seqlens, q.shape[0])
+    work = lse.dtype
+    length, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    scale = dim**-0.5 if call.scale is None else call.scale
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dsinks = None if sinks is None else torch.zeros(kv_heads, heads // kv_heads, dtype=work, device=q.device)
+    for start, end in pairwise(bounds):
+        if end == start:
+            continue
+        if sinks is None and call.softcap is None:
+            fused = _fused_inputs(q[start:end], k[start:end], v[start:end], call)
+            dout_i, out_i = (x[start:end].transpose(0, 1)[None] for x in (dout, out))
+            lse_i = lse[None, :, start:end].contiguous()
+            dq_i, dk_i, dv_i = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dout_i, *fused[:3], out_i, lse_i, *fused[3:5], **fused[5]
+            )
+            dq[start:end] = dq_i[0].transpose(0, 1)
+            for grad, grad_i in ((dk, dk_i), (dv, dv_i)):  # each key/value head's query group summed
+                grad[start:end] = grad_i[0].unflatten(0, (kv_heads, -1)).sum(1, dtype=work).transpose(0, 1)
+            continue
+        lse_i = lse[:, start:end].reshape(kv_heads, heads // kv_heads, end - start)
+        probabilities, _, slope = _sample_probabilities(q[start:end], k[start:end], sinks, call, work, lse_i)
+        q_i, do_i, o_i = (
+            x[start:end].to(work).reshape(end - start, kv_heads, -1, x.shape[-1]) for x in (q, dout, out)
+        )
+        k_i, v_i = k[start:end].to(work), v[start:end].to(work)
+        row = torch.einsum("qhgd,qhgd->hgq", do_i, o_i)
+        d_scores = probabilities * (torch.einsum("qhgd,khd->hgqk", do_i, v_i) - row[..., None])
+        if slope is not None:
+            d_scores = d_scores * slope
+        dv[start:end] = torch.einsum("hgqk,qhgd->khd", probabilities, do_i)
+        dk[start:end] = torch.einsum("hgqk,qhgd->khd", d_scores, q_i) * scale
+        dq[start:end] = (torch.einsum("hgqk,khd->qhgd", d_scores, k_i) * scale).reshape(
+            end - start, heads, dim
+        )
+        if dsinks is not None:
+            sink = sinks.to(work).view(kv_heads, -1, 1)
+            dsinks -= (torch.exp(sink - lse_i) * row).sum(-1)
+    return dq, dk, dv, None if dsinks is None else dsinks.reshape(heads).to(sinks.dtype)
+
+
+def _fused_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: _Call) -> tuple[Any, ...]:
+    """One sample's arguments of CPU's fused attention and its backward: ``[1, Hq, L, D]`` tensors (K/V
+    heads repeated for their query groups), dropout, causality, the window's mask, the scale."""
+    group = q.shape[1] // k.shape[1]
+    q, k, v = (x.repeat_interleave(group, dim=1) if x is not q else x for x in (q, k, v))
+    q, k, v = (x.transpose(0, 1)[None].contiguous() for x in (q, k, v))
+    mask = _window_mask(q.shape[2], call.window, call.causal, q.device)
+    bias = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype).masked_fill(~mask, float("-inf"))
+    return q, k, v, 0.0, call.causal and mask is None, {"attn_mask": bias, "scale": call.scale}
+
+
+def _sample_probabilities(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    sinks: torch.Tensor | None,
+    call: _Call,
+    work: torch.dtype,
+    lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One sample's softmax ``P [Hkv, G, L, L]``, its ``lse [Hkv, G, L]`` and the soft-cap's slope (or None).
+
+    With ``lse`` given (backward), ``P`` is rebuilt from it rather than normalised again.
+    """
+    length, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    grouped = q.to(work).reshape(length, kv_heads, heads // kv_heads, dim)
+    scale = dim**-0.5 if call.scale is None else call.scale
+    scores = torch.einsum("qhgd,khd->hgqk", grouped, k.to(work)) * scale
+    slope = None
+    if call.softcap is not None:
+        capped = torch.tanh(scores / call.softcap)
+        scores, slope = call.softcap * capped, 1 - capped**2
+    mask = _window_mask(length, call.window, call.causal, q.device)
+    if mask is None and call.causal:
+        mask = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    if lse is None:
+        lse = scores.logsumexp(-1)
+        if sinks is not None:
+            lse = torch.logaddexp(lse, sinks.to(work).view(kv_heads, -1, 1))
+    return torch.exp(scores - lse[..., None]), lse, slope
+
+
+def _sample_bounds(cu_seqlens: torch.Tensor, tokens: int) -> list[int]:
+    """``cu_seqlens`` as a list, checked to rise from 0 to ``tokens``."""
+    bounds = cu_seqlens.tolist()
+    lengths = [end - start for start, end in pairwise(bounds)]
+    if bounds[0] != 0 or bounds[-1] != tokens or min(lengths, default=0) < 0:
+        raise ValueError(f"cu_seqlens {bounds} must rise from 0 to the {tokens} tokens")
+    return bounds
 
 
 def _window_mask(length: int, window: int | None, causal: bool, device: torch.device) -> torch.Tensor | None:
@@ -616,7 +797,6 @@ def _torch_varlen(
     window: int | None,
 ) -> torch.Tensor:
     """PyTorch's own varlen kernel (the 2.12+ signature): causality is spelled as the window ``(-1, 0)``."""
-    window_size = (-1, 0) if causal and window is None else _flash_window(window, causal)
     return _kernel("torch_varlen")[0](
         q,
         k,
@@ -626,9 +806,165 @@ def _torch_varlen(
         max_seqlen,
         max_seqlen,
         scale=scale,
-        window_size=window_size,
+        window_size=_torch_window(window, causal),
         enable_gqa=q.shape[1] != k.shape[1],
     )
+
+
+# ---- each kernel's forward that returns the log-sum-exp, and its backward (for _PerKVHead)
+
+
+def _flash_attn_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, call: _Call
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashAttention 2's ``_flash_attn_varlen_forward`` or 3's ``_flash_attn_forward``: ``(out, softmax_lse)``.
+
+    FlashAttention 2's kernel takes head sizes that are multiples of 8: as its own ``FlashAttnVarlenFunc``
+    does, the heads are padded with zeros for the call and the output cut back.
+    """
+    interface = _interface("flash_attn")
+    scale = q.shape[-1] ** -0.5 if call.scale is None else call.scale
+    left, right = _flash_window(call.window, call.causal)
+    softcap = 0.0 if call.softcap is None else call.softcap
+    shared = (call.cu_seqlens, call.cu_seqlens, call.max_seqlen, call.max_seqlen)
+    if interface.__name__ == "flash_attn_interface":  # FlashAttention 3
+        out, lse, *_ = interface._flash_attn_forward(
+            q, k, v, cu_seqlens_q=shared[0], cu_seqlens_k=shared[1], max_seqlen_q=shared[2],
+            max_seqlen_k=shared[3], softmax_scale=scale, causal=call.causal, window_size_left=left,
+            window_size_right=right, softcap=softcap,
+        )  # fmt: skip
+        return out, lse
+    out, lse, _, _ = interface._flash_attn_varlen_forward(
+        *_pad_heads(q, k, v), *shared, 0.0, scale, call.causal,
+        window_size_left=left, window_size_right=right, softcap=softcap,
+    )  # fmt: skip
+    return out[..., : v.shape[-1]], lse
+
+
+def _flash_attn_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    sinks: torch.Tensor | None,
+    call: _Call,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
+    """FlashAttention 2's ``_flash_attn_varlen_backward`` or 3's ``_flash_attn_backward`` into fresh buffers."""
+    interface = _interface("flash_attn")
+    head_size = q.shape[-1]
+    scale = head_size**-0.5 if call.scale is None else call.scale
+    left, right = _flash_window(call.window, call.causal)
+    softcap = 0.0 if call.softcap is None else call.softcap
+    shared = (call.cu_seqlens, call.cu_seqlens, call.max_seqlen, call.max_seqlen)
+    if interface.__name__ == "flash_attn_interface":  # FlashAttention 3
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        interface._flash_attn_backward(
+            dout, q, k, v, out, lse, cu_seqlens_q=shared[0], cu_seqlens_k=shared[1],
+            max_seqlen_q=shared[2], max_seqlen_k=shared[3], dq=dq, dk=dk, dv=dv, softmax_scale=scale,
+            is_causal=call.causal, window_size_left=left, window_size_right=right, softcap=softcap,
+        )  # fmt: skip
+        return dq, dk, dv, None
+    q, k, v, out, dout = _pad_heads(q, k, v, out, dout)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    interface._flash_attn_varlen_backward(
+        dout, q, k, v, out, lse, dq, dk, dv, *shared, 0.0, scale, call.causal, left, right, softcap,
+        None, False,  # alibi_slopes, deterministic
+    )  # fmt: skip
+    return dq[..., :head_size], dk[..., :head_size], dv[..., :head_size], None
+
+
+def _pad_heads(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors with their last dimension padded with zeros to a multiple of 8 (unchanged when it is)."""
+    return [F.pad(x, [0, -x.shape[-1] % 8]) if x.shape[-1] % 8 else x for x in tensors]
+
+
+def _flash_attn_cute_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, call: _Call
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashAttention 4's ``_flash_attn_fwd`` (``flash_attn.cute.interface``) asked for its log-sum-exp."""
+    out, lse, *_ = _interface("flash_attn_cute")._flash_attn_fwd(
+        q, k, v, **_cute_options(sinks, call), return_lse=True
+    )
+    return out, lse
+
+
+def _flash_attn_cute_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    sinks: torch.Tensor | None,
+    call: _Call,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """FlashAttention 4's ``_flash_attn_bwd``; with ``learnable_sink`` it returns the sinks' gradient too."""
+    options = _cute_options(sinks, call)
+    options["softcap"] = options["softcap"] or 0.0  # the backward spells "no cap" as 0
+    dq, dk, dv, *dsinks = _interface("flash_attn_cute")._flash_attn_bwd(q, k, v, out, dout, lse, **options)
+    return dq, dk, dv, None if sinks is None else dsinks[0].to(sinks.dtype)
+
+
+def _cute_options(sinks: torch.Tensor | None, call: _Call) -> dict[str, Any]:
+    """The keyword arguments FlashAttention 4's forward and backward share."""
+    left, right = _flash_window(call.window, call.causal, infinite=None)
+    return {
+        "cu_seqlens_q": call.cu_seqlens,
+        "cu_seqlens_k": call.cu_seqlens,
+        "max_seqlen_q": call.max_seqlen,
+        "max_seqlen_k": call.max_seqlen,
+        "softmax_scale": call.scale,
+        "causal": call.causal,
+        "softcap": call.softcap,
+        "window_size_left": left,
+        "window_size_right": right,
+        "learnable_sink": None if sinks is None else sinks.to(torch.float32),
+    }
+
+
+def _torch_varlen_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, call: _Call
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``varlen_attn(..., return_aux=AuxRequest(lse=True))``: ``(out, lse)``."""
+    module = _interface("torch_varlen")
+    return module.varlen_attn(
+        q, k, v, call.cu_seqlens, call.cu_seqlens, call.max_seqlen, call.max_seqlen,
+        scale=call.scale, window_size=_torch_window(call.window, call.causal),
+        enable_gqa=q.shape[1] != k.shape[1], return_aux=module.AuxRequest(lse=True),
+    )  # fmt: skip
+
+
+def _torch_varlen_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    sinks: torch.Tensor | None,
+    call: _Call,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
+    """``torch.ops.torch_attn._varlen_attn_backward``, the op ``varlen_attn``'s own autograd calls."""
+    window_size = _torch_window(call.window, call.causal)
+    # varlen_attn reads causality off the window, and runs without dropout: its random state is all zeros.
+    rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)
+    dq, dk, dv = torch.ops.torch_attn._varlen_attn_backward(
+        dout, q, k, v, out, lse, call.cu_seqlens, call.cu_seqlens, call.max_seqlen, call.max_seqlen,
+        window_size == (-1, 0), rng_state, call.scale, list(window_size),
+    )  # fmt: skip
+    return dq, dk, dv, None
+
+
+def _torch_window(window: int | None, causal: bool) -> tuple[int | None, int | None]:
+    """torch's ``window_size``: causality is spelled as the window ``(-1, 0)``."""
+    return (-1, 0) if causal and window is None else _flash_window(window, causal)
+
+
+def _interface(name: str) -> Any:
+    """The module that holds the varlen entry point of ``name``'s kernel, and beside it the lower calls."""
+    return importlib.import_module(_kernel(name)[0].__module__)
 
 
 _BACKEND_FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {
@@ -636,4 +972,12 @@ _BACKEND_FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {
     "flash_attn_cute": _flash_attn_cute,
     "torch_varlen": _torch_varlen,
     "sdpa_segments": _sdpa_segments,
+}
+
+# The backends whose kernel's backward longalign calls itself (``per_kv_head``, :class:`_PerKVHead`).
+_KEPT_FUNCTIONS: dict[str, _Kept] = {
+    "flash_attn": _Kept(_flash_attn_forward, _flash_attn_backward),
+    "flash_attn_cute": _Kept(_flash_attn_cute_forward, _flash_attn_cute_backward, sinks=True),
+    "torch_varlen": _Kept(_torch_varlen_forward, _torch_varlen_backward, arguments=("return_aux",)),
+    "sdpa_segments": _Kept(_segments_forward, _segments_backward, sinks=True),
 }

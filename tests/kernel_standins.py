@@ -230,6 +230,18 @@ def varlen_backward(
         others={"out": out, "dout": dout, "dq": dq, "dk": dk, "dv": dv},
     )  # fmt: skip
     _require(lse.dtype == torch.float32, f"softmax_lse must be float32, got {lse.dtype}")
+    _require(lse.device == q.device, f"softmax_lse must be on {q.device}, is on {lse.device}")
+    heads, tokens = q.shape[1], q.shape[0]
+    _require(
+        tuple(lse.shape) == (heads, tokens),
+        f"softmax_lse must be [heads, total_q] = [{heads}, {tokens}], got {tuple(lse.shape)}",
+    )
+    for name, tensor in (("out", out), ("dout", dout)):
+        _require(
+            tuple(tensor.shape) == (tokens, heads, v.shape[2]),
+            f"{name} must be [total_q, heads, head_size_v] = [{tokens}, {heads}, {v.shape[2]}], "
+            f"got {tuple(tensor.shape)}",
+        )
     left, right = _window(is_causal, left, right, max_k)
     grads = exact_backward(dout, q, k, v, bounds_q, bounds_k, scale, left, right, softcap)
     dq, dk, dv = (

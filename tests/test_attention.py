@@ -6,7 +6,7 @@ import importlib.util
 
 import pytest
 import torch
-from conftest import assert_relatively_close
+from conftest import assert_relatively_close, relative_error
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -484,3 +484,100 @@ def test_cu_seqlens_round_trip_through_position_ids(lengths):
     position_ids = torch.cat([torch.arange(length) for length in lengths])[None]
     cu_seqlens, max_seqlen = cu_seqlens_from_position_ids(position_ids)
     assert cu_seqlens.diff().tolist() == lengths and max_seqlen == max(lengths)
+
+
+# ---- per_kv_head: the kernel's forward once, its backward from the kept output and log-sum-exp
+
+
+@pytest.mark.parametrize("causal, window", [(True, None), (True, 3), (False, None), (False, 2)])
+@pytest.mark.parametrize("softcap", [None, 0.8])
+@pytest.mark.parametrize("with_sinks", [False, True])
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_the_cpu_kernel_s_backward_from_out_and_lse_is_autograd_of_the_formula(
+    causal, window, softcap, with_sinks, chunk
+):
+    """``sdpa_segments``' forward with its log-sum-exp and its backward from ``out``, ``lse`` and ``dout``
+    (what ``_PerKVHead`` calls), against autograd of the plain softmax over one dense mask, in float64.
+    Three query heads on one key/value head, as one group of ``per_kv_head`` sees them."""
+    lengths = [5, 1, 9]
+    q, k, v, cu_seqlens = random_pack(lengths, 3, 1, 8, seed=3)
+    q = (q * 2).detach().requires_grad_()  # scores of a few units, where a cap of 0.8 bends them
+    generator = torch.Generator().manual_seed(4)
+    sinks = torch.randn(3, generator=generator, dtype=q.dtype).requires_grad_() if with_sinks else None
+    dout = torch.randn(q.shape, generator=generator, dtype=q.dtype)
+    options = {"causal": causal, "window": window, "softcap": softcap, "sinks": sinks, "chunk": chunk}
+    expected = dense_reference(q, k, v, cu_seqlens, **options)
+    inputs = [q, k, v] + ([sinks] if with_sinks else [])
+    want = torch.autograd.grad(expected, inputs, dout)
+
+    pieces = cu_seqlens if chunk is None else attention.chunked_cu_seqlens(cu_seqlens, chunk)
+    call = attention._Call(pieces, max(lengths), causal, None, window, softcap)
+    detached = [x.detach() for x in (q, k, v)]
+    out, lse = attention._segments_forward(*detached, None if sinks is None else sinks.detach(), call)
+    got = attention._segments_backward(
+        dout, *detached, out, lse, None if sinks is None else sinks.detach(), call
+    )
+
+    assert relative_error(out, expected) <= 1e-12
+    for name, a, b in zip(("dq", "dk", "dv", "dsinks"), got, want, strict=False):
+        assert relative_error(a, b) <= 1e-10, name
+    assert (got[3] is None) == (not with_sinks)
+
+
+def test_per_kv_head_runs_each_group_s_forward_once_and_its_backward_once(monkeypatch):
+    """In a small autograd graph (a projection before, a loss after), ``per_kv_head`` calls each key/value
+    group's forward once in forward and, in backward, only the kernel's backward: no forward runs again.
+    Values and gradients, sinks' included, equal the whole kernel's (float64)."""
+    q, k, v, cu_seqlens = random_pack([6, 1, 8], 6, 3, 8, seed=5)
+    weight = torch.randn(8, 8, dtype=q.dtype, generator=torch.Generator().manual_seed(6), requires_grad=True)
+    sinks = torch.randn(6, dtype=q.dtype, generator=torch.Generator().manual_seed(7), requires_grad=True)
+    options = {"cu_seqlens": cu_seqlens, "max_seqlen": 8, "window": 4, "softcap": 2.0, "sinks": sinks}
+
+    def loss_and_grads(per_kv_head: bool) -> list[torch.Tensor]:
+        out = varlen_attention(q @ weight, k, v, per_kv_head=per_kv_head, **options)
+        loss = (out.tanh() ** 2).sum()
+        return [loss, *torch.autograd.grad(loss, (q, k, v, weight, sinks))]
+
+    want = loss_and_grads(False)
+    calls = []
+    kept = attention._KEPT_FUNCTIONS["sdpa_segments"]
+
+    def counted(step, function):
+        def run(*args):
+            calls.append(step)
+            return function(*args)
+
+        return run
+
+    recorded = kept._replace(
+        forward=counted("forward", kept.forward), backward=counted("backward", kept.backward)
+    )
+    monkeypatch.setitem(attention._KEPT_FUNCTIONS, "sdpa_segments", recorded)
+    got = loss_and_grads(True)
+    assert calls == ["forward"] * 3 + ["backward"] * 3
+    assert relative_error(got, want) <= 1e-12
+
+
+def test_per_kv_head_without_a_callable_backward_runs_each_group_through_the_kernel_s_autograd(monkeypatch):
+    """A backend whose kernel's backward longalign cannot call (none registered, as for a kernel put in by
+    the memory simulation): each group runs through the kernel's own autograd, values and gradients as
+    whole (float64)."""
+    q, k, v, cu_seqlens = random_pack([6, 1, 8], 4, 2, 8, seed=8)
+    sinks = torch.randn(4, dtype=q.dtype, generator=torch.Generator().manual_seed(9), requires_grad=True)
+    cotangent = torch.randn(q.shape, dtype=q.dtype, generator=torch.Generator().manual_seed(10))
+    options = {"cu_seqlens": cu_seqlens, "max_seqlen": 8, "softcap": 2.0, "sinks": sinks}
+    want = varlen_attention(q, k, v, **options)
+    heads = []
+    whole = attention._BACKEND_FUNCTIONS["sdpa_segments"]
+
+    def recorded(q, k, v, *args, **kwargs):
+        heads.append((q.shape[1], k.shape[1]))
+        return whole(q, k, v, *args, **kwargs)
+
+    monkeypatch.delitem(attention._KEPT_FUNCTIONS, "sdpa_segments")
+    monkeypatch.setitem(attention._BACKEND_FUNCTIONS, "sdpa_segments", recorded)
+    got = varlen_attention(q, k, v, per_kv_head=True, **options)
+    assert heads == [(2, 1), (2, 1)]
+    inputs = (q, k, v, sinks)
+    grads_got, grads_want = (torch.autograd.grad(x, inputs, cotangent) for x in (got, want))
+    assert relative_error([got, *grads_got], [want, *grads_want]) <= 1e-12

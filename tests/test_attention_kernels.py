@@ -425,3 +425,109 @@ def test_flash_attn_2_s_older_cute_copy_is_refused_as_too_old_for_fa4(monkeypatc
     monkeypatch.setattr(attention, "_kernel", lambda name: (flash_attn_varlen_func, None))
     reason = available_backends("cpu", torch.bfloat16)["flash_attn_cute"]
     assert "is too old: it takes no max_seqlen_q, max_seqlen_k" in reason
+
+
+# ---- per_kv_head: each group's kernel forward once, then the kernel's own backward on what it kept
+
+
+@pytest.mark.parametrize("window, softcap, chunk", [(None, None, None), (5, 2.0, None), (3, None, 4)])
+def test_per_kv_head_calls_each_kernel_s_backward_on_its_kept_out_and_lse(kernel, window, softcap, chunk):
+    """Through the kernels' real Python layers: one forward per key/value group, whose ``out`` and
+    ``softmax_lse`` the kernel's backward then takes (the stand-in checks their shapes, dtypes and layout);
+    values and gradients as sdpa_segments' in float64."""
+    backend = STOOD_IN[kernel]
+    if softcap is not None and kernel == "torch_varlen":
+        pytest.skip("torch's varlen_attn has no soft-capping (refused, tested above)")
+    lengths = [1, 9, 1, 30, 4, 1]
+    q, k, v, cu_seqlens = pack(lengths, 8, 2)
+    cotangent = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(q.dtype)
+    options = {
+        "cu_seqlens": cu_seqlens,
+        "max_seqlen": 30,
+        "window": window,
+        "softcap": softcap,
+        "chunk": chunk,
+    }
+    calls = []
+    kept = attention._KEPT_FUNCTIONS[backend]
+
+    def counted(step, function):
+        def run(*args):
+            calls.append(step)
+            return function(*args)
+
+        return run
+
+    recorded = kept._replace(
+        forward=counted("forward", kept.forward), backward=counted("backward", kept.backward)
+    )
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setitem(attention._KEPT_FUNCTIONS, backend, recorded)
+        got = values_and_grads(q, k, v, cotangent, backend=backend, per_kv_head=True, **options)
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    want = values_and_grads(q64, k64, v64, cotangent.double(), backend="sdpa_segments", **options)
+    assert calls == ["forward", "forward", "backward", "backward"]
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        assert a.dtype == torch.bfloat16, name
+        assert relative_error(a, b) <= BF16_BOUND, f"{name}: {relative_error(a, b):.3g}"
+
+
+def test_per_kv_head_calls_fa4_s_forward_and_backward_as_their_pinned_signatures_take_them(monkeypatch):
+    """FlashAttention 4's ``_flash_attn_fwd`` (asked for its lse) and ``_flash_attn_bwd`` (given it, and the
+    float32 sinks), bound to the pinned release's parsed signatures, stood in for by longalign's CPU kernel
+    in float64: values and gradients, the sinks' included, as sdpa_segments'."""
+    source = fa4_interface_source()
+    forward_signature, backward_signature = (
+        parsed_signature(source, name) for name in ("_flash_attn_fwd", "_flash_attn_bwd")
+    )
+
+    def call_of(arguments):
+        window = (arguments["window_size_left"], arguments["window_size_right"])
+        assert window == (4, 0)  # window 5, causal; None would be unbounded
+        return attention._Call(
+            arguments["cu_seqlens_q"], arguments["max_seqlen_q"], arguments["causal"],
+            arguments["softmax_scale"], 5, arguments["softcap"] or None,
+        )  # fmt: skip
+
+    def sinks_of(arguments):
+        assert arguments["learnable_sink"].dtype == torch.float32
+        return arguments["learnable_sink"].double()
+
+    def _flash_attn_fwd(*args, **kwargs):
+        arguments = forward_signature.bind(*args, **kwargs).arguments
+        assert arguments["return_lse"] is True
+        q, k, v = (arguments[name].double() for name in "qkv")
+        out, lse = attention._segments_forward(q, k, v, sinks_of(arguments), call_of(arguments))
+        return out.to(arguments["q"].dtype), lse.float(), None, None, None
+
+    def _flash_attn_bwd(*args, **kwargs):
+        arguments = backward_signature.bind(*args, **kwargs).arguments
+        q, k, v, out, dout = (arguments[name].double() for name in ("q", "k", "v", "out", "dout"))
+        grads = attention._segments_backward(
+            dout, q, k, v, out, arguments["lse"].double(), sinks_of(arguments), call_of(arguments)
+        )
+        return tuple(g.to(arguments["q"].dtype if g.ndim == 3 else torch.float32) for g in grads)
+
+    def flash_attn_varlen_func(*args, **kwargs):
+        raise AssertionError("per_kv_head calls the forward and backward below it")
+
+    interface = type(sys)("flash_attn_4_interface_stand_in")
+    interface._flash_attn_fwd, interface._flash_attn_bwd = _flash_attn_fwd, _flash_attn_bwd
+    flash_attn_varlen_func.__module__ = interface.__name__
+    flash_attn_varlen_func.__signature__ = parsed_signature(source, "flash_attn_varlen_func")
+    monkeypatch.setitem(sys.modules, interface.__name__, interface)
+    monkeypatch.setattr(attention, "_kernel", lambda name: (flash_attn_varlen_func, None))
+    monkeypatch.setattr(attention, "_device_problem", lambda name, device: None)
+
+    q, k, v, cu_seqlens = pack([1, 9, 1, 12], 4, 2)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).requires_grad_()
+    cotangent = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(q.dtype)
+    options = {"cu_seqlens": cu_seqlens, "max_seqlen": 12, "window": 5, "softcap": 2.0}
+    out = varlen_attention(q, k, v, sinks=sinks, backend="flash_attn_cute", per_kv_head=True, **options)
+    got = [out, *torch.autograd.grad(out, (q, k, v, sinks), cotangent)]
+    inputs = [x.detach().double().requires_grad_() for x in (q, k, v, sinks)]
+    reference = varlen_attention(*inputs[:3], sinks=inputs[3], backend="sdpa_segments", **options)
+    want = [reference, *torch.autograd.grad(reference, inputs, cotangent.double())]
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), got, want, strict=True):
+        assert a.dtype == torch.bfloat16, name
+        assert relative_error(a, b) <= BF16_BOUND, f"{name}: {relative_error(a, b):.3g}"

@@ -75,19 +75,27 @@ def test_every_family_s_tiled_layers_give_the_untiled_output_and_gradients(varia
 
 
 def test_the_kernel_runs_once_per_key_value_head_and_every_norm_in_tiles(monkeypatch):
-    """The attention kernel gets one key/value head and its query heads per call (2 and 1 of TINY's 4 and 2), in
-    forward and in backward's recompute of each group; every norm, the final one's included, sees one tile.
+    """The attention kernel gets one key/value head and its query heads per call (2 and 1 of TINY's 4 and 2):
+    each group's forward runs once, and backward calls the kernel's backward on what that forward kept (its
+    output and log-sum-exp), running no forward again; every norm, the final one's included, sees one tile.
     Output and gradients as untiled (float64); the trainer's step with these layers is checked below."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     from longalign import attention
 
-    heads, norm_tokens = [], []
-    kernel, norm = attention._BACKEND_FUNCTIONS["sdpa_segments"], LlamaRMSNorm.forward
+    calls, norm_tokens = [], []
+    kept, norm = attention._KEPT_FUNCTIONS["sdpa_segments"], LlamaRMSNorm.forward
 
-    def recorded_kernel(q, k, v, *args):
-        heads.append((q.shape[1], k.shape[1], v.shape[1]))
-        return kernel(q, k, v, *args)
+    def recorded_forward(q, k, v, *args):
+        calls.append(("forward", q.shape[1], k.shape[1], v.shape[1]))
+        return kept.forward(q, k, v, *args)
+
+    def recorded_backward(dout, q, k, v, *args):
+        calls.append(("backward", q.shape[1], k.shape[1], v.shape[1]))
+        return kept.backward(dout, q, k, v, *args)
+
+    def whole_kernel(*args, **kwargs):
+        raise AssertionError("the whole kernel ran: per_kv_head must run each group's own forward")
 
     def recorded_norm(module, x):
         norm_tokens.append(x.shape[-2])
@@ -95,13 +103,16 @@ def test_the_kernel_runs_once_per_key_value_head_and_every_norm_in_tiles(monkeyp
 
     dense = tiny_model("llama", backend="sdpa_segments").double()
     want = loss_and_gradients(dense)
-    monkeypatch.setitem(attention._BACKEND_FUNCTIONS, "sdpa_segments", recorded_kernel)
+    recorded = kept._replace(forward=recorded_forward, backward=recorded_backward)
+    monkeypatch.setitem(attention._KEPT_FUNCTIONS, "sdpa_segments", recorded)
+    monkeypatch.setitem(attention._BACKEND_FUNCTIONS, "sdpa_segments", whole_kernel)
     monkeypatch.setattr(LlamaRMSNorm, "forward", recorded_norm)
     got = loss_and_gradients(tiled_model("llama"))
 
     assert_relatively_close(got, want, FLOAT64_BOUND)
     groups, layers = TINY["num_key_value_heads"], TINY["num_hidden_layers"]
-    assert heads == [(2, 1, 1)] * (2 * groups * layers)  # forward, then each group again in backward
+    # Forward: each layer's groups once; backward: each group's kernel backward, last layer first.
+    assert calls == [("forward", 2, 1, 1)] * (groups * layers) + [("backward", 2, 1, 1)] * (groups * layers)
     assert norm_tokens and max(norm_tokens) <= TILE_TOKENS
 
 
