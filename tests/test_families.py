@@ -293,10 +293,12 @@ def expected_update(model: torch.nn.Module, samples) -> dict[str, torch.Tensor]:
     return {name: -p.grad for name, p in model.named_parameters() if p.grad is not None}
 
 
-def run_one_step(model_type: str, tmp_path: Path, lora: str = "") -> tuple[torch.nn.Module, list]:
+def run_one_step(
+    model_type: str, tmp_path: Path, lora: str = "", training: str = ""
+) -> tuple[torch.nn.Module, list]:
     """One plain SGD step (learning rate 1) of ``longalign train`` on one pack of the samples, from a tiny
-    random base of ``model_type`` saved in ``tmp_path / "base"``, with ``[lora]`` settings if given; the base
-    (eager attention) and the samples."""
+    random base of ``model_type`` saved in ``tmp_path / "base"``, with ``[lora]`` settings and more
+    ``[training]`` lines if given; the base (eager attention) and the samples."""
     from conftest import TOKENIZER, save_packs
 
     from longalign.cli import main
@@ -313,7 +315,7 @@ def run_one_step(model_type: str, tmp_path: Path, lora: str = "") -> tuple[torch
         f"[data]\ntrain_file = '{packs}'\nmax_seq_len = {sum(LENGTHS)}\n[loss]\nweighting = 'token_level'\n"
         f"[training]\noutput_dir = '{tmp_path / 'run'}'\nmax_steps = 1\nlearning_rate = 1.0\noptim = 'sgd'\n"
         "lr_scheduler_type = 'constant'\nmax_grad_norm = 0.0\nweight_decay = 0.0\nuse_cpu = true\n"
-        "save_strategy = 'no'\nlogging_steps = 1\nreport_to = 'none'\ndisable_tqdm = true\n"
+        f"save_strategy = 'no'\nlogging_steps = 1\nreport_to = 'none'\ndisable_tqdm = true\n{training}\n"
         f"[model]\nmodel_name_or_path = '{tmp_path / 'base'}'\ntokenizer = '{TOKENIZER}'\n"
         "torch_dtype = 'float32'\nattn_backend = 'sdpa_segments'\n" + (f"[lora]\n{lora}\n" if lora else "")
     )
@@ -340,6 +342,21 @@ def test_one_sgd_step_of_the_run_equals_the_family_s_own_model_on_each_sample_al
     got = {name: p - before.get_parameter(name) for name, p in after.named_parameters()}
     error = relative_update(got, expected_update(before.train(), samples))
     assert error < UPDATE_BOUND, f"{model_type}: the update is {error:.1e} off"
+
+
+@pytest.mark.integration
+def test_one_sgd_step_with_tiled_mlps_on_a_mixture_of_experts_is_the_untiled_step(tmp_path):
+    """Qwen3-MoE with its router loss and ``sequence_tiling = "mlp"`` in tiles of 16 of the pack's 144
+    tokens: the update is the family's own model's on each sample alone, router loss included."""
+    before, samples = run_one_step(
+        "qwen3_moe", tmp_path, training="sequence_tiling = 'mlp'\nmlp_tile_tokens = 16"
+    )
+    after = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run", config=before.config)
+    got = {name: p - before.get_parameter(name) for name, p in after.named_parameters()}
+    want = expected_update(before.train(), samples)
+    assert any(".gate." in name and want[name].abs().max() > 0 for name in want)  # the routers trained
+    error = relative_update(got, want)
+    assert error < UPDATE_BOUND, f"the tiled step's update is {error:.1e} off"
 
 
 @pytest.mark.integration
