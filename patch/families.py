@@ -415,9 +415,11 @@ def _token_mixing_layers(model: nn.Module) -> list[int]:
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The decoder layers of the text model of ``model`` (a vision or audio tower's layers are not among them)."""
+    """The decoder layers of the text model of ``model`` (a vision or audio tower's layers are not among them);
+    every decoder layer of ``model`` where transformers' ``get_decoder`` finds none (ModernBERT's decoder
+    names its LM head ``decoder``)."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-    return _layers(decoder if isinstance(decoder, nn.Module) else model)
+    return (_layers(decoder) if isinstance(decoder, nn.Module) else []) or _layers(model)
 
 
 def token_wise_mlp(layer: nn.Module) -> nn.Module | None:

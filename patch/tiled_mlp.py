@@ -1,8 +1,8 @@
 """Sequence-tiled MLP: each decoder layer's MLP runs over its tokens in tiles, and each tile is recomputed
 in backward, so at most one tile's ``[tile, intermediate]`` tensors are alive at once. Exact.
 
-A dense MLP treats every token alone, so tiles along the tokens give the untiled output and gradients,
-to the rounding of summing the weight gradients tile by tile. For one micro-batch of ``T`` tokens::
+An MLP treats every token alone, so tiles along the tokens give the untiled output and gradients, to the
+rounding of summing the weight gradients tile by tile. For one micro-batch of ``T`` tokens::
 
     untiled   x [T, H] -> gate, up, act(gate) * up  [T, I] each, kept for backward  -> out [T, H]
     tiled     x [T, H] kept; forward and backward run tile by tile:
@@ -12,6 +12,19 @@ With ``tile_tokens = 0`` a tile holds about ``hidden_size`` tokens (``ceil(T / h
 rule): each ``[tile, intermediate]`` tensor is then the size of one MLP weight matrix, memory the step
 holds anyway, so the MLP no longer adds anything that grows with the pack, and a tile stays large enough
 (4096 tokens for an 8B model) for the matrix products to run at full speed.
+
+Which module is the MLP is read off the layer's structure (``families.token_wise_mlp``): the child
+called on the hidden states alone, holding two weight matrices or more and no convolution. A dense MLP,
+gated or with a fused ``gate_up`` projection, and a mixture of experts alike: each token is routed by its
+own router logits, so a tile routes its tokens as the whole micro-batch does (shared experts run on every
+token). A router's logits, which transformers records with a forward hook for the router loss, are
+recorded here once per MLP call: each tile records into a collector of its own, the tiles' records are
+concatenated in token order into outputs of the autograd function, and those reach the model's
+collector, so the router loss's gradient flows back into the tiles' recompute with the output's. The
+backward's recompute records into its own collector too, and the model's sees nothing of it::
+
+    untiled   router(x [T, H]) -> logits [T, E] -> outputs.router_logits[layer]
+    tiled     router(x[0:t]) -> [t, E], router(x[t:2t]) -> [t, E], ... -> one [T, E] -> the same place
 
 Why not DeepSpeed's ``TiledMLP`` (``deepspeed.runtime.sequence_parallel.ulysses_sp``): its backward
 accumulates each tile's weight gradients through ``torch.autograd.backward``, so every trained

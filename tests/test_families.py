@@ -216,6 +216,9 @@ def test_every_exact_family_s_mlps_tile_exactly_or_are_refused_in_one_line():
     assert all("\n" not in found.tiled_detail for found in exact)
     named = ["llama", "qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3", "gpt_oss", "gemma3_text", "phi3", "olmo2", "granite", "cohere2", "qwen3_next"]  # fmt: skip
     assert {name: outcome(name).tiled for name in named} == dict.fromkeys(named, "exact")
+    manual = (ROOT / "docs" / "training" / "long-context.md").read_text()
+    refused = [found.model_type for found in exact if found.tiled == "refused"]
+    assert all(f"`{model_type}`" in manual for model_type in refused), refused  # the manual names each
 
 
 def table() -> str:
