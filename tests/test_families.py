@@ -6,7 +6,7 @@ For each model type of transformers' causal-LM registry, a tiny model of its own
 samples (45, 70 and 29 tokens) as the family's own eager model trains on each sample alone: the logits,
 and the gradients of the summed next-token loss. A family it refuses must be refused in one line. A family
 that is neither (accepted and different, or accepted and crashing) fails. Each family that packs exactly
-also runs with its MLPs tiled (``training.sequence_tiling = "mlp"``, tiles of 8 tokens) against the same
+also runs with its MLPs tiled (``training.sequence_tiling = "mlp"``, tiles of 7 tokens) against the same
 model untiled: the logits, the gradients, and the router logits with a gradient through them where the
 family records some (mixtures of experts); or its decision refuses the tiling in one line.
 
@@ -95,7 +95,7 @@ def packed_against_alone(model: torch.nn.Module) -> tuple[float, float]:
     return logits_error, grads_error
 
 
-TILE_TOKENS = 5  # 3 tiles of the 13 tokens the tiled MLPs run on
+TILE_TOKENS = 7  # 2 tiles (7 and 6) of the 13 tokens the tiled MLPs run on
 TILED_LENGTH = 13
 
 
