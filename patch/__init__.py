@@ -22,7 +22,7 @@ data is prepared, whether a model trains on packed samples exactly, and why not;
 it patches to the same decision.
 
 Three more patches trade time for memory at long context, all exact: ``tile_mlp(model)`` runs every
-layer's MLP over the tokens in tiles (``tiled_mlp``), ``tile_layers(model)`` every token-wise part of
+layer's MLP (dense or a mixture of experts) over the tokens in tiles (``tiled_mlp``), ``tile_layers(model)`` every token-wise part of
 every decoder layer (``tiled_layer``), and ``offload_checkpointed_inputs(model)`` keeps
 the inputs that activation checkpointing saves in host memory (``offload``).
 """
@@ -43,12 +43,11 @@ from .interface import ATTENTION_NAMES, register, varlen_attention_forward
 from .offload import offload_checkpointed_inputs
 from .sequence_parallel import sequence_parallel_problems, whole_rows, wrap
 from .tiled_layer import TILEABLE_LAYERS, tile_layers
-from .tiled_mlp import TILEABLE_MLPS, tile_mlp
+from .tiled_mlp import tile_mlp
 
 __all__ = [
     "ATTENTION_NAMES",
     "TILEABLE_LAYERS",
-    "TILEABLE_MLPS",
     "UnsupportedModelError",
     "apply",
     "check_model",

@@ -27,6 +27,8 @@ router loss            ``output_router_logits``,                    the load-bal
                        ``router_aux_loss_coef`` (MoE)               the pack's real tokens
 linear attention       token-mixing layer types and convolutions    state restarts at every sample (gated
                                                                     delta rules: ``linear_attention``)
+token-wise MLP         each decoder layer's children               ``sequence_tiling = "mlp"`` tiles it
+                       (:func:`token_wise_mlp`)                     (``tiled_mlp``); refused without one
 =====================  ===========================================  ==========================================
 
 Everything a decision refuses names what is missing and what to do instead. ``tests/test_families.py``
@@ -152,6 +154,9 @@ class Features:
     final_softcap: float | None = None  # softcap * tanh(logits / softcap) after the scale
     router_loss_coef: float | None = None  # the MoE load-balancing loss's coefficient, when it is on
     linear_attention_layers: tuple[int, ...] = ()  # layers whose token mixing is a recurrence or convolution
+    # Why training.sequence_tiling = "mlp" cannot tile the decoder layers' MLPs; None: every layer has a
+    # token-wise MLP (:func:`token_wise_mlp`)
+    mlp_tiling_problem: str | None = None
 
     def described(self) -> list[str]:
         """One phrase per feature the family has, for the dry run and the manual's table."""
@@ -247,6 +252,7 @@ def read_features(model: nn.Module) -> Features:
         final_softcap=softcap,
         router_loss_coef=router,
         linear_attention_layers=tuple(_token_mixing_layers(model)),
+        mlp_tiling_problem=mlp_tiling_problem(model),
     )
 
 
@@ -406,6 +412,64 @@ def _token_mixing_layers(model: nn.Module) -> list[int]:
         if typed or any(isinstance(module, nn.Conv1d) for module in layer.modules()):
             found.append(index)
     return found
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers of the text model of ``model`` (a vision or audio tower's layers are not among them);
+    every decoder layer of ``model`` where transformers' ``get_decoder`` finds none (ModernBERT's decoder
+    names its LM head ``decoder``)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    return (_layers(decoder) if isinstance(decoder, nn.Module) else []) or _layers(model)
+
+
+def token_wise_mlp(layer: nn.Module) -> nn.Module | None:
+    """The module that runs ``layer``'s MLP, found by what it is, not by its class; None when it has none.
+
+    The MLP of a decoder layer is the child the layer calls on the hidden states ``[B, T, H]`` alone, and
+    that treats each token alone: a dense MLP (gated or not, with a fused ``gate_up`` projection or not) or
+    a mixture of experts (each token routed by its own router logits, shared experts beside them). By its
+    structure, it is a child of the layer
+
+    - whose forward takes one argument, the hidden states: no mask, position, cache or sample boundary
+      reaches it, so it has nothing to mix tokens by (an attention or a mixer takes more);
+    - that holds two weight matrices or more (an up and a down projection, fused or per expert; a norm
+      holds none, a lone projection one);
+    - with no convolution inside (a convolution over the tokens mixes them).
+
+    Of several such children the largest, where the ``[tokens, intermediate]`` tensors are::
+
+        LlamaDecoderLayer        -> layer.mlp (gate_proj, up_proj, down_proj)
+        Qwen3MoeDecoderLayer     -> layer.mlp (the router ``gate`` and the ``experts``)
+        Gemma3nTextDecoderLayer  -> layer.mlp (not the low-rank LAuReL block beside it)
+        MoshiDecoderLayer        -> None (its MLP's forward also takes the codebook that picks its weights)
+    """
+    found = [child for child in layer.children() if _is_token_wise_mlp(child)]
+    return max(found, key=lambda child: sum(param.numel() for param in child.parameters()), default=None)
+
+
+def _is_token_wise_mlp(module: nn.Module) -> bool:
+    arguments = list(inspect.signature(type(module).forward).parameters.values())[1:]  # after self
+    if len(arguments) != 1 or arguments[0].kind not in (
+        inspect.Parameter.POSITIONAL_ONLY,
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+    ):
+        return False
+    matrices = sum(1 for param in module.parameters() if param.dim() >= 2)
+    return matrices >= 2 and not any(isinstance(inner, nn.Conv1d) for inner in module.modules())
+
+
+def mlp_tiling_problem(model: nn.Module) -> str | None:
+    """Why ``training.sequence_tiling = "mlp"`` cannot tile ``model``'s MLPs, in words; None when it can."""
+    layers = decoder_layers(model)
+    if not layers:
+        return "it has no decoder layers to tile the MLP of"
+    missing = sorted({type(layer).__name__ for layer in layers if token_wise_mlp(layer) is None})
+    if missing:
+        return (
+            f"its {', '.join(missing)} has no token-wise MLP (a child whose forward takes the hidden states "
+            "alone, holding two weight matrices or more and no convolution)"
+        )
+    return None
 
 
 def _rope_parameters(config: Any) -> list[Mapping[str, Any]]:

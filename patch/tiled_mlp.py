@@ -1,8 +1,8 @@
 """Sequence-tiled MLP: each decoder layer's MLP runs over its tokens in tiles, and each tile is recomputed
 in backward, so at most one tile's ``[tile, intermediate]`` tensors are alive at once. Exact.
 
-A dense MLP treats every token alone, so tiles along the tokens give the untiled output and gradients,
-to the rounding of summing the weight gradients tile by tile. For one micro-batch of ``T`` tokens::
+An MLP treats every token alone, so tiles along the tokens give the untiled output and gradients, to the
+rounding of summing the weight gradients tile by tile. For one micro-batch of ``T`` tokens::
 
     untiled   x [T, H] -> gate, up, act(gate) * up  [T, I] each, kept for backward  -> out [T, H]
     tiled     x [T, H] kept; forward and backward run tile by tile:
@@ -12,6 +12,19 @@ With ``tile_tokens = 0`` a tile holds about ``hidden_size`` tokens (``ceil(T / h
 rule): each ``[tile, intermediate]`` tensor is then the size of one MLP weight matrix, memory the step
 holds anyway, so the MLP no longer adds anything that grows with the pack, and a tile stays large enough
 (4096 tokens for an 8B model) for the matrix products to run at full speed.
+
+Which module is the MLP is read off the layer's structure (``families.token_wise_mlp``): the child
+called on the hidden states alone, holding two weight matrices or more and no convolution. A dense MLP,
+gated or with a fused ``gate_up`` projection, and a mixture of experts alike: each token is routed by its
+own router logits, so a tile routes its tokens as the whole micro-batch does (shared experts run on every
+token). A router's logits, which transformers records with a forward hook for the router loss, are
+recorded here once per MLP call: each tile records into a collector of its own, the tiles' records are
+concatenated in token order into outputs of the autograd function, and those reach the model's
+collector, so the router loss's gradient flows back into the tiles' recompute with the output's. The
+backward's recompute records into its own collector too, and the model's sees nothing of it::
+
+    untiled   router(x [T, H]) -> logits [T, E] -> outputs.router_logits[layer]
+    tiled     router(x[0:t]) -> [t, E], router(x[t:2t]) -> [t, E], ... -> one [T, E] -> the same place
 
 Why not DeepSpeed's ``TiledMLP`` (``deepspeed.runtime.sequence_parallel.ulysses_sp``): its backward
 accumulates each tile's weight gradients through ``torch.autograd.backward``, so every trained
@@ -41,41 +54,33 @@ import contextlib
 import functools
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from transformers.integrations import is_deepspeed_zero3_enabled
-from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.utils.output_capturing import _active_collector
 
 from longalign.errors import ModelError
 
-# Dense MLPs that treat every token alone, by class: tiling them along the tokens is exact. A mixture of
-# experts is not among them (its routing sees all tokens of the batch, and some count them per expert).
-TILEABLE_MLPS = ("LlamaMLP", "GlmMLP", "Glm4MLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP")
+from .families import decoder_layers, mlp_tiling_problem, token_wise_mlp
 
 
 def tile_mlp(model: nn.Module, *, tile_tokens: int = 0) -> nn.Module:
     """Run every decoder layer's MLP of ``model`` in tiles of ``tile_tokens`` tokens (0: ``hidden_size``).
 
-    Raises ``ModelError`` naming the class of an MLP that cannot be tiled. Call it after the run's
+    The MLP is the layer's token-wise child (``families.token_wise_mlp``): a dense MLP or a mixture of
+    experts. Raises ``ModelError`` naming the layer that has none. Call it after the run's
     ``TrainingArguments`` and before the engine wraps the model (ZeRO-3 reads the leaf flag when it
     starts); LoRA adapters may come later.
     """
+    problem = mlp_tiling_problem(model)
+    if problem:
+        raise ModelError(f"training.sequence_tiling = 'mlp': {type(model).__name__}: {problem}")
     zero3 = is_deepspeed_zero3_enabled()
-    layers = [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
-    if not layers:
-        raise ModelError(
-            f"training.tiled_mlp: {type(model).__name__} has no decoder layers to tile the MLP of"
-        )
-    for layer in layers:
-        mlp = getattr(layer, "mlp", None)
-        if type(mlp).__name__ not in TILEABLE_MLPS:
-            what = f"its MLP {type(mlp).__name__}" if mlp is not None else "no MLP named mlp"
-            raise ModelError(
-                f"training.tiled_mlp: {type(layer).__name__} has {what}, which longalign cannot tile; it tiles "
-                f"the dense MLPs {', '.join(TILEABLE_MLPS)}"
-            )
+    for layer in decoder_layers(model):
+        mlp = token_wise_mlp(layer)
         mlp.forward = functools.partial(tiled_forward, mlp, tile_tokens=tile_tokens)
         if zero3:
             from deepspeed.utils import set_z3_leaf_module
@@ -93,8 +98,16 @@ def tile_count(tokens: int, hidden_size: int, tile_tokens: int = 0) -> int:
     return max(1, math.ceil(tokens / (tile_tokens or hidden_size)))
 
 
-def tiled_forward(mlp: nn.Module, hidden_states: torch.Tensor, *, tile_tokens: int = 0) -> torch.Tensor:
-    """``mlp``'s own forward over ``hidden_states [..., T, H]``, run in tiles along the tokens."""
+def tiled_forward(mlp: nn.Module, hidden_states: torch.Tensor, *, tile_tokens: int = 0) -> Any:
+    """``mlp``'s own forward over ``hidden_states [..., T, H]``, run in tiles along the tokens.
+
+    Returns what the forward returns (gpt-oss's MLP: its output and router scores), whole. What
+    transformers records inside the MLP while the model's forward collects outputs (a router's logits,
+    ``output_router_logits``) is recorded once for the whole MLP, the tiles' records in token order, and
+    carries gradients back through the tiles::
+
+        x [1, 70, H], 3 tiles  ->  router [24, E], [23, E], [23, E]  ->  router_logits gets one [70, E]
+    """
     tiles = tile_count(hidden_states.shape[:-1].numel(), hidden_states.shape[-1], tile_tokens)
     trained = [param for param in mlp.parameters() if param.requires_grad]
     if any(getattr(param, "ds_numel", 0) and not param.numel() for param in trained):
@@ -102,52 +115,124 @@ def tiled_forward(mlp: nn.Module, hidden_states: torch.Tensor, *, tile_tokens: i
             f"training.tiled_mlp: the {type(mlp).__name__}'s parameters are partitioned by ZeRO-3 inside it; "
             "tile the MLP (longalign.patch.tile_mlp) before DeepSpeed starts, so it gathers them for the whole MLP"
         )
-    return _TiledMLP.apply(mlp, tiles, hidden_states, *trained)
+    collector = _active_collector.get()
+    keys = tuple(key for key, value in (collector or {}).items() if isinstance(value, list))
+    layout = _Layout()
+    pieces = _TiledMLP.apply(mlp, tiles, keys, layout, hidden_states, *trained)
+    lead = hidden_states.shape[:-1]
+    whole = [
+        piece.view(*lead, *piece.shape[1:]) if batched else piece
+        for piece, batched in zip(pieces, layout.batched, strict=True)
+    ]
+    for key, index in layout.records:
+        collector[key].append(whole[index])
+    if layout.returned is None:
+        return whole[0]
+    return tuple(None if index is None else whole[index] for index in layout.returned)
 
 
-def _dense(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    # The class's forward, looked up at the call: an engine may have swapped the class since (FSDP2).
-    return type(mlp).forward(mlp, x)
+@dataclass
+class _Layout:
+    """Where the tensors of one MLP call go: the tiled function returns them as one flat list of pieces.
+
+    A piece is a per-token tensor, ``[tile, ...]`` (``batched`` False) or ``[1, tile, ...]`` (True, kept
+    as ``[tile, ...]`` while tiled and given the input's leading shape back at the end).
+    """
+
+    returned: list[int | None] | None = None  # the forward's tuple, by piece; None: it returns one tensor
+    records: list[tuple[str, int]] = field(default_factory=list)  # (recorded output, piece), in order
+    batched: list[bool] = field(default_factory=list)
+
+
+def _call(mlp: nn.Module, tile: torch.Tensor, keys: tuple[str, ...], layout: _Layout) -> list[torch.Tensor]:
+    """The pieces of ``mlp(tile)`` for a tile ``[1, t, H]``: what it returns, then what transformers records
+    inside it under ``keys``, each as ``[t, ...]``; the first call fills ``layout``."""
+    recorded: dict[str, list] = {key: [] for key in keys}
+    # The tile's records go to this call's own collector, not the model's: the model gets the whole MLP's.
+    token = _active_collector.set(recorded)
+    try:
+        # The class's forward, looked up at the call: an engine may have swapped the class since (FSDP2).
+        returned = type(mlp).forward(mlp, tile)
+    finally:
+        _active_collector.reset(token)
+    outputs = list(returned) if isinstance(returned, tuple) else [returned]
+    tensors = [output for output in outputs if output is not None]
+    records = [(key, tensor) for key in keys for tensor in recorded[key]]
+    pieces = tensors + [tensor for _, tensor in records]
+    tokens = tile.shape[1]
+    if not layout.batched:
+        if isinstance(returned, tuple):
+            slots = iter(range(len(tensors)))
+            layout.returned = [None if output is None else next(slots) for output in outputs]
+        layout.records = [(key, len(tensors) + i) for i, (key, _) in enumerate(records)]
+        layout.batched = [piece.shape[:2] == (1, tokens) for piece in pieces]
+    if len(pieces) != len(layout.batched):
+        raise ModelError(
+            f"training.sequence_tiling = 'mlp': {type(mlp).__name__} returned or recorded {len(pieces)} tensors "
+            f"for one tile and {len(layout.batched)} for another"
+        )
+    flat = []
+    for piece, batched in zip(pieces, layout.batched, strict=True):
+        if (piece.shape[1] if batched else piece.shape[0]) != tokens:
+            raise ModelError(
+                f"training.sequence_tiling = 'mlp': {type(mlp).__name__} gives a tensor of shape "
+                f"{tuple(piece.shape)} for {tokens} tokens, not one row per token: it cannot run in tiles"
+            )
+        flat.append(piece[0] if batched else piece)
+    return flat
 
 
 class _TiledMLP(torch.autograd.Function):
-    """``mlp(x)`` tile by tile; backward recomputes each tile and returns the trained parameters' gradients."""
+    """``mlp(x)`` tile by tile; backward recomputes each tile and returns the trained parameters' gradients.
+
+    Its outputs are the pieces of :func:`_call`, each ``[tokens, ...]``: the gradients arriving at the
+    recorded router logits go back through the tile's router with the output's.
+    """
 
     @staticmethod
-    def forward(ctx, mlp: nn.Module, tiles: int, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
-        ctx.mlp, ctx.tiles, ctx.params = mlp, tiles, params
+    def forward(ctx, mlp, tiles, keys, layout, x, *params):
+        ctx.mlp, ctx.tiles, ctx.keys, ctx.layout, ctx.params = mlp, tiles, keys, layout, params
         ctx.autocast = _autocast_state(x.device.type)
         # Dropout (of LoRA adapters) must draw the same masks when backward recomputes the tiles.
         ctx.rng = _rng_state(x.device) if mlp.training else None
         ctx.save_for_backward(x)
-        flat = x.reshape(-1, x.shape[-1])
-        out = None
-        for _, start, stop in _tiles(flat.shape[0], tiles):
-            y = _dense(mlp, flat[start:stop])
-            if out is None:  # one output buffer, not a list of tiles and their concatenation
-                out = y.new_empty((flat.shape[0], y.shape[-1]))
-            out[start:stop] = y
-        return out.view(*x.shape[:-1], out.shape[-1])
+        row = x.reshape(1, -1, x.shape[-1])  # every token in one row: a tile is [1, t, H], as MoE blocks take
+        tokens = row.shape[1]
+        buffers = None
+        for _, start, stop in _tiles(tokens, tiles):
+            pieces = _call(mlp, row[:, start:stop], keys, layout)
+            if buffers is None:  # one buffer per piece, not a list of tiles and their concatenation
+                buffers = [piece.new_empty((tokens, *piece.shape[1:])) for piece in pieces]
+            for buffer, piece in zip(buffers, pieces, strict=True):
+                buffer[start:stop] = piece
+        ctx.mark_non_differentiable(*(buffer for buffer in buffers if not buffer.is_floating_point()))
+        return tuple(buffers)
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx, *grad_pieces: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (x,) = ctx.saved_tensors
         mlp, params = ctx.mlp, ctx.params
-        wants_x = ctx.needs_input_grad[2]
-        trained = [param for param, wanted in zip(params, ctx.needs_input_grad[3:], strict=True) if wanted]
-        flat = x.detach().reshape(-1, x.shape[-1])
-        grad_flat = grad_out.reshape(-1, grad_out.shape[-1])
-        grad_x = torch.empty_like(flat) if wants_x else None
+        wants_x = ctx.needs_input_grad[4]
+        trained = [param for param, wanted in zip(params, ctx.needs_input_grad[5:], strict=True) if wanted]
+        row = x.detach().reshape(1, -1, x.shape[-1])
+        grad_x = torch.empty_like(row) if wants_x else None
         sums: list[torch.Tensor | None] = [None] * len(trained)
         with _replay(x.device, ctx.autocast, ctx.rng):
-            for _, start, stop in _tiles(flat.shape[0], ctx.tiles):
-                tile = flat[start:stop].detach().requires_grad_(wants_x)
+            for _, start, stop in _tiles(row.shape[1], ctx.tiles):
+                tile = row[:, start:stop].detach().requires_grad_(wants_x)
                 with torch.enable_grad():
-                    y = _dense(mlp, tile)
+                    pieces = _call(mlp, tile, ctx.keys, ctx.layout)
+                pairs = [
+                    (piece, grad[start:stop])
+                    for piece, grad in zip(pieces, grad_pieces, strict=True)
+                    if piece.requires_grad and grad is not None
+                ]
                 inputs = ([tile] if wants_x else []) + trained
-                grads = torch.autograd.grad(y, inputs, grad_flat[start:stop], allow_unused=True)
+                grads = torch.autograd.grad(
+                    [piece for piece, _ in pairs], inputs, [grad for _, grad in pairs], allow_unused=True
+                )
                 if wants_x:
-                    grad_x[start:stop] = grads[0]
+                    grad_x[:, start:stop] = 0 if grads[0] is None else grads[0]
                 for i, grad in enumerate(grads[wants_x:]):
                     if grad is not None:
                         # Summed in at least float32: bfloat16 partial sums would round once per tile.
@@ -156,9 +241,9 @@ class _TiledMLP(torch.autograd.Function):
         by_param = iter(sums)
         param_grads = [
             _cast(next(by_param), param.dtype) if wanted else None
-            for param, wanted in zip(params, ctx.needs_input_grad[3:], strict=True)
+            for param, wanted in zip(params, ctx.needs_input_grad[5:], strict=True)
         ]
-        return None, None, grad_x.view_as(x) if wants_x else None, *param_grads
+        return None, None, None, None, grad_x.view_as(x) if wants_x else None, *param_grads
 
 
 def _cast(grad: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

@@ -5,7 +5,10 @@ For each model type of transformers' causal-LM registry, a tiny model of its own
 ``longalign.patch.families.decide``. A family the decision accepts must train on one packed row of three
 samples (45, 70 and 29 tokens) as the family's own eager model trains on each sample alone: the logits,
 and the gradients of the summed next-token loss. A family it refuses must be refused in one line. A family
-that is neither (accepted and different, or accepted and crashing) fails.
+that is neither (accepted and different, or accepted and crashing) fails. Each family that packs exactly
+also runs with its MLPs tiled (``training.sequence_tiling = "mlp"``, tiles of 7 tokens) against the same
+model untiled: the logits, the gradients, and the router logits with a gradient through them where the
+family records some (mixtures of experts); or its decision refuses the tiling in one line.
 
 The families run in this one process, float64, on tiny models. ``docs/training/families.md`` holds the
 table of outcomes; the last test checks that it is this run's (``LONGALIGN_WRITE_FAMILIES=1`` rewrites it).
@@ -50,6 +53,8 @@ class Outcome:
     status: str  # "exact", "refused", or a failure: "wrong", "crash"
     detail: str  # the refusal, the figures, or the error
     features: tuple[str, ...] = ()
+    tiled: str = ""  # with sequence_tiling = "mlp", of an exact family: "exact", "refused", "wrong", "crash"
+    tiled_detail: str = ""
 
 
 def relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -90,6 +95,41 @@ def packed_against_alone(model: torch.nn.Module) -> tuple[float, float]:
     return logits_error, grads_error
 
 
+TILE_TOKENS = 7  # 2 tiles (7 and 6) of the 13 tokens the tiled MLPs run on
+TILED_LENGTH = 13
+
+
+def tiled_against_untiled(model: torch.nn.Module) -> tuple[float, float, float]:
+    """(logits, gradients, router logits) errors, norm-relative: ``model`` with its MLPs tiled (a copy)
+    against ``model`` itself, on one row of 13 tokens. The loss adds a random weighting of the router
+    logits, where the family records them, so that their gradients reach the routers through the tiles."""
+    model.zero_grad(set_to_none=True)  # the gradients of the packed comparison
+    tiled = longalign.patch.tile_mlp(copy.deepcopy(model), tile_tokens=TILE_TOKENS)
+    ids = torch.randint(FIRST_SAFE_ID, VOCAB, (1, TILED_LENGTH), generator=torch.Generator().manual_seed(3))
+    routers = "router_logits" in (getattr(type(model), "_can_record_outputs", None) or {})
+
+    def step(which: torch.nn.Module) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor]:
+        extra = {"output_router_logits": True} if routers else {}
+        out = which(input_ids=ids, use_cache=False, **extra)
+        recorded = tuple(out.router_logits) if routers else ()
+        weights = torch.Generator().manual_seed(4)
+        loss = _loss(out.logits, ids) + sum(
+            (logits.double() * torch.randn(logits.shape, generator=weights, dtype=torch.float64)).sum()
+            for logits in recorded
+        )
+        loss.backward()
+        grads = torch.cat(
+            [p.grad.double().flatten() for _, p in sorted(which.named_parameters()) if p.grad is not None]
+        )
+        return out.logits.detach(), tuple(logits.detach() for logits in recorded), grads
+
+    want, got = step(model), step(tiled)
+    model.zero_grad(set_to_none=True)
+    assert len(got[1]) == len(want[1]), f"{len(got[1])} router logits tiled, {len(want[1])} untiled"
+    router_error = relative(torch.cat(got[1]), torch.cat(want[1])) if want[1] else 0.0
+    return relative(got[0], want[0]), relative(got[2], want[2]), router_error
+
+
 @functools.cache
 def outcome(model_type: str) -> Outcome:
     """The family's decision, and for an accepted one, packed against alone (on one thread: the tiny
@@ -120,13 +160,29 @@ def _outcome(model_type: str) -> Outcome:
         first = (str(err).strip().splitlines() or [""])[0]
         return Outcome(model_type, decision.architecture, "crash", f"{type(err).__name__}: {first}", features)
     status = "exact" if logits_error <= LOGITS_BOUND and grads_error <= GRADS_BOUND else "wrong"
+    tiled, tiled_detail = _tiled_outcome(model, decision.features.mlp_tiling_problem)
     return Outcome(
         model_type,
         decision.architecture,
         status,
         f"logits {logits_error:.1e}, gradients {grads_error:.1e} (norm-relative)",
         features,
+        tiled,
+        tiled_detail,
     )
+
+
+def _tiled_outcome(model: torch.nn.Module, problem: str | None) -> tuple[str, str]:
+    if problem:
+        return "refused", problem
+    try:
+        errors = tiled_against_untiled(model)
+    except Exception as err:  # noqa: BLE001 - a family whose MLP tiling the decision accepts and that fails
+        first = (str(err).strip().splitlines() or [""])[0]
+        return "crash", f"{type(err).__name__}: {first}"
+    exact = errors[0] <= LOGITS_BOUND and errors[1] <= GRADS_BOUND and errors[2] <= LOGITS_BOUND
+    detail = "logits {:.1e}, gradients {:.1e}, router logits {:.1e} (norm-relative)".format(*errors)
+    return ("exact" if exact else "wrong"), detail
 
 
 @pytest.mark.parametrize("model_type", TYPES)
@@ -145,6 +201,24 @@ def test_the_families_the_manual_names_are_exact():
         "phi3", "olmo2", "smollm3",
     ]  # fmt: skip
     assert {name: outcome(name).status for name in named} == dict.fromkeys(named, "exact")
+
+
+def test_every_exact_family_s_mlps_tile_exactly_or_are_refused_in_one_line():
+    """``training.sequence_tiling = "mlp"`` on every family that packs exactly, dense or mixture of experts:
+    the same logits, gradients and router logits as untiled, or a one-line refusal from the decision."""
+    exact = [found for found in map(outcome, TYPES) if found.status == "exact"]
+    failed = {
+        found.model_type: f"{found.tiled}: {found.tiled_detail}"
+        for found in exact
+        if found.tiled not in ("exact", "refused")
+    }
+    assert not failed, failed
+    assert all("\n" not in found.tiled_detail for found in exact)
+    named = ["llama", "qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3", "gpt_oss", "gemma3_text", "phi3", "olmo2", "granite", "cohere2", "qwen3_next"]  # fmt: skip
+    assert {name: outcome(name).tiled for name in named} == dict.fromkeys(named, "exact")
+    manual = (ROOT / "docs" / "training" / "long-context.md").read_text()
+    refused = [found.model_type for found in exact if found.tiled == "refused"]
+    assert all(f"`{model_type}`" in manual for model_type in refused), refused  # the manual names each
 
 
 def table() -> str:
@@ -222,10 +296,12 @@ def expected_update(model: torch.nn.Module, samples) -> dict[str, torch.Tensor]:
     return {name: -p.grad for name, p in model.named_parameters() if p.grad is not None}
 
 
-def run_one_step(model_type: str, tmp_path: Path, lora: str = "") -> tuple[torch.nn.Module, list]:
+def run_one_step(
+    model_type: str, tmp_path: Path, lora: str = "", training: str = ""
+) -> tuple[torch.nn.Module, list]:
     """One plain SGD step (learning rate 1) of ``longalign train`` on one pack of the samples, from a tiny
-    random base of ``model_type`` saved in ``tmp_path / "base"``, with ``[lora]`` settings if given; the base
-    (eager attention) and the samples."""
+    random base of ``model_type`` saved in ``tmp_path / "base"``, with ``[lora]`` settings and more
+    ``[training]`` lines if given; the base (eager attention) and the samples."""
     from conftest import TOKENIZER, save_packs
 
     from longalign.cli import main
@@ -242,7 +318,7 @@ def run_one_step(model_type: str, tmp_path: Path, lora: str = "") -> tuple[torch
         f"[data]\ntrain_file = '{packs}'\nmax_seq_len = {sum(LENGTHS)}\n[loss]\nweighting = 'token_level'\n"
         f"[training]\noutput_dir = '{tmp_path / 'run'}'\nmax_steps = 1\nlearning_rate = 1.0\noptim = 'sgd'\n"
         "lr_scheduler_type = 'constant'\nmax_grad_norm = 0.0\nweight_decay = 0.0\nuse_cpu = true\n"
-        "save_strategy = 'no'\nlogging_steps = 1\nreport_to = 'none'\ndisable_tqdm = true\n"
+        f"save_strategy = 'no'\nlogging_steps = 1\nreport_to = 'none'\ndisable_tqdm = true\n{training}\n"
         f"[model]\nmodel_name_or_path = '{tmp_path / 'base'}'\ntokenizer = '{TOKENIZER}'\n"
         "torch_dtype = 'float32'\nattn_backend = 'sdpa_segments'\n" + (f"[lora]\n{lora}\n" if lora else "")
     )
@@ -269,6 +345,21 @@ def test_one_sgd_step_of_the_run_equals_the_family_s_own_model_on_each_sample_al
     got = {name: p - before.get_parameter(name) for name, p in after.named_parameters()}
     error = relative_update(got, expected_update(before.train(), samples))
     assert error < UPDATE_BOUND, f"{model_type}: the update is {error:.1e} off"
+
+
+@pytest.mark.integration
+def test_one_sgd_step_with_tiled_mlps_on_a_mixture_of_experts_is_the_untiled_step(tmp_path):
+    """Qwen3-MoE with its router loss and ``sequence_tiling = "mlp"`` in tiles of 16 of the pack's 144
+    tokens: the update is the family's own model's on each sample alone, router loss included."""
+    before, samples = run_one_step(
+        "qwen3_moe", tmp_path, training="sequence_tiling = 'mlp'\nmlp_tile_tokens = 16"
+    )
+    after = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run", config=before.config)
+    got = {name: p - before.get_parameter(name) for name, p in after.named_parameters()}
+    want = expected_update(before.train(), samples)
+    assert any(".gate." in name and want[name].abs().max() > 0 for name in want)  # the routers trained
+    error = relative_update(got, want)
+    assert error < UPDATE_BOUND, f"the tiled step's update is {error:.1e} off"
 
 
 @pytest.mark.integration

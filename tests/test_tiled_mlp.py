@@ -1,8 +1,9 @@
 """The sequence-tiled MLP: exact, one tile of ``[tile, intermediate]`` tensors at a time, on every engine.
 
 The fast tests check each family's MLP tile by tile against the dense one in float64 (outputs and every
-gradient), what the tiled MLP keeps for backward, LoRA dropout redrawn identically when backward
-recomputes the tiles, and the refusals; then one optimizer step of the real trainer with the MLPs tiled
+gradient), a mixture of experts with its router logits (recorded once, in token order, and trained through
+the tiles), what the tiled MLP keeps for backward, LoRA dropout redrawn identically when backward
+recomputes the tiles, and the refusals (every family of transformers is tiled in ``test_families.py``); then one optimizer step of the real trainer with the MLPs tiled
 against the same step without (Llama, GLM-4 and Qwen3; activation checkpointing on and off; full
 fine-tuning and LoRA). The launched ones run the same comparison with each pack split over 2 ranks
 (DDP, sequence parallelism 2) and under ZeRO-3 with one rank holding about a quarter of the other's
@@ -125,14 +126,85 @@ def test_adapter_dropout_draws_the_forward_s_masks_again_in_backward():
     )  # the recompute leaves the random stream as it was
 
 
-def test_an_mlp_that_is_not_a_dense_one_is_refused_naming_its_class():
+def moe_model() -> torch.nn.Module:
+    """A tiny Qwen3-MoE in float64 (4 experts, top 2) whose experts run eagerly (no float64 grouped_mm on CPU)."""
     config = Qwen3MoeConfig(
         **{**TINY, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
     )
-    with pytest.raises(ModelError, match="Qwen3MoeDecoderLayer has its MLP Qwen3MoeSparseMoeBlock, which"):
-        longalign.patch.tile_mlp(Qwen3MoeForCausalLM(config))
-    with pytest.raises(ModelError, match="training.tiled_mlp: Linear has no decoder layers"):
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config).double().train()
+    model.set_experts_implementation("eager")
+    return model
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
+def test_a_mixture_of_experts_tiles_with_its_router_logits_once_in_order_and_trained(checkpointing):
+    """Qwen3-MoE: each layer's router logits reach ``outputs.router_logits`` once, the tiles' in token
+    order (not again from backward's recompute, nor from activation checkpointing's), and the gradient of a
+    loss on them reaches the router through the tiles."""
+    dense = moe_model()
+    tiled = longalign.patch.tile_mlp(moe_model(), tile_tokens=TILE_TOKENS)
+    calls: list[int] = []
+    tiled.model.layers[0].mlp.gate.register_forward_pre_hook(
+        lambda module, args: calls.append(args[0].shape[0])
+    )
+    ids = torch.randint(0, TINY["vocab_size"], (2, 19), generator=torch.Generator().manual_seed(1))
+
+    def step(model: torch.nn.Module) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], list[torch.Tensor]]:
+        if checkpointing:
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        out = model(input_ids=ids, use_cache=False, output_router_logits=True)
+        weights = torch.Generator().manual_seed(2)
+        loss = out.logits.square().mean() + sum(
+            (logits * torch.randn(logits.shape, generator=weights, dtype=torch.float64)).sum()
+            for logits in out.router_logits
+        )
+        loss.backward()
+        return out.logits, out.router_logits, [param.grad for param in model.parameters()]
+
+    (want_logits, want_routers, want_grads), (got_logits, got_routers, got_grads) = step(dense), step(tiled)
+    assert len(got_routers) == len(want_routers) == TINY["num_hidden_layers"]
+    assert [tuple(logits.shape) for logits in got_routers] == [(38, 4)] * TINY["num_hidden_layers"]
+    assert_relatively_close([got_logits, *got_routers], [want_logits, *want_routers], FLOAT64_BOUND)
+    assert_relatively_close(got_grads, want_grads, FLOAT64_BOUND)
+    assert tiled.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0
+    tiles = tile_count(38, TINY["hidden_size"], TILE_TOKENS)
+    runs = 3 if checkpointing else 2  # forward, backward's recompute, and checkpointing's
+    assert len(calls) == runs * tiles and max(calls) <= TILE_TOKENS
+
+
+def test_a_decoder_layer_without_a_token_wise_mlp_is_refused_naming_it():
+    """An MLP whose forward takes more than the hidden states (here the positions) is not token-wise."""
+
+    class PositionalMLP(torch.nn.Module):
+        def __init__(self, mlp: torch.nn.Module):
+            super().__init__()
+            self.inner = mlp
+
+        def forward(self, hidden_states, position_ids):
+            return self.inner(hidden_states)
+
+    model = tiny_model("llama")
+    for layer in model.model.layers:
+        layer.mlp = PositionalMLP(layer.mlp)
+    with pytest.raises(ModelError, match="LlamaForCausalLM: its LlamaDecoderLayer has no token-wise MLP"):
+        longalign.patch.tile_mlp(model)
+    with pytest.raises(ModelError, match="Linear: it has no decoder layers"):
         longalign.patch.tile_mlp(torch.nn.Linear(2, 2))
+
+
+def test_sequence_tiling_mlp_is_refused_before_any_data_for_a_family_without_one():
+    from tiny_configs import tiny_config
+
+    from longalign.config import load_config
+    from longalign.run import check_family
+
+    cfg = load_config(None, ["model.model_name_or_path=m", "training.sequence_tiling=mlp"])
+    with pytest.raises(longalign.patch.UnsupportedModelError) as refused:
+        check_family(cfg, tiny_config("moshi"))
+    message = str(refused.value)
+    assert "\n" not in message and "MoshiDecoderLayer has no token-wise MLP" in message
+    assert check_family(load_config(None, ["model.model_name_or_path=m"]), tiny_config("moshi")).exact
 
 
 def test_parameters_that_zero3_partitions_inside_the_mlp_are_a_one_line_error():
