@@ -54,7 +54,7 @@ def main() -> None:
     parser.add_argument("--gpu", default="h100", choices=sorted(GPU_PEAK_FLOPS))
     parser.add_argument("--efficiency", type=float, default=DEFAULT_EFFICIENCY)
     args = parser.parse_args()
-    packs = [tuple(parse_lengths(pack.replace("/", ","))) for pack in args.packs.split(",")]
+    packs = [[parse_lengths(part)[0] for part in pack.split("/")] for pack in args.packs.split(",")]
     environ, _ = accelerate_environment(LAUNCH)
     throughput = Throughput(args.gpu, args.efficiency)
     print(

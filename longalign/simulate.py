@@ -40,6 +40,11 @@ checkpointing keeps of it), while the peak stays in the last layer's backward an
 equal, part by part, to counting all 8 layers of an 8-layer model (checkpointing alone, tiled MLP, +
 offload). ``full_depth=True`` counts every layer.
 
+The same step counts its FLOPs as it runs (``flops.StepFlops``): matrix products by torch's
+``FlopCounterMode``, attention by the FlashAttention stand-in from each call's shapes and samples; the
+layers are extrapolated as the bytes are, and with a GPU (``Setup.throughput``) they become the step's
+seconds and the run's GPU-hours (:func:`timed`).
+
 A tiled MLP or layer runs only the tiles that can reach a new peak (``tiled_mlp.distinct_tiles_only``: the
 first two of each loop and the first of each further tile size), which count what all of them count
 (equal in bytes, ``tests/test_simulate.py``; ``every_tile=True`` runs them all). Llama-3.1-8B at 1M tokens

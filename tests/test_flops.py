@@ -73,7 +73,8 @@ def test_the_simulated_matmuls_are_those_torch_counts_on_a_real_step():
     """The demo model (2 layers, checkpointing) on a 256-token pack: the matrix products the fake step
     executes (FlashAttention 2 stood in) equal torch's FlopCounterMode on the real CPU step (sdpa_segments,
     whose CPU kernel torch does not count), to the FLOP; within 5% of 6 x parameters x tokens plus the
-    recomputed forward (2 x the layers' parameters x tokens)."""
+    layers' recomputed forward (2 x their parameters x tokens), which it is under by what torch does not
+    recompute: it stops at the last tensor backward needs, before each MLP's down projection."""
     from longalign.loss import weighted_loss_sum
 
     cfg = load_config(DEMO, CHECKPOINTING)
