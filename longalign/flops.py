@@ -162,7 +162,7 @@ class StepFlops:
 
     The simulation runs a tiled loop's distinct tiles only (``tiled_mlp.distinct_tiles_only``); within
     :meth:`weighing_tiles` each tile that ran counts once more for every tile of its size it stood for,
-    so the count is that of every tile (``tests/test_flops.py`` checks both are equal).
+    so the count is that of every tile (``tests/test_simulate.py`` checks both are equal).
     """
 
     def __init__(self) -> None:
