@@ -764,7 +764,7 @@ def packed_run_tokens(cfg, *, epoch_tokens: int | None, gpus: int) -> RunTokens 
         if "packs" not in report or "tokens" not in report:  # a tokenized, not packed, directory
             return None
         epoch_tokens, packs = report["tokens"], report["packs"]
-        source = f"{os.path.join(cfg.data.train_file, 'report.json')}"
+        source = os.path.join(cfg.data.train_file, "report.json")
     return run_tokens(
         cfg.training.args,
         epoch_tokens=epoch_tokens,
