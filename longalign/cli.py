@@ -32,6 +32,7 @@ from longalign.arguments import at_least
 from longalign.datagen import command as datagen
 from longalign.errors import ConfigError, LongAlignError, PathError
 from longalign.eval import commands as eval_commands
+from longalign.flops import DEFAULT_EFFICIENCY, GPU_PEAK_FLOPS
 
 
 @dataclass(frozen=True)
@@ -298,6 +299,25 @@ def _probe_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --simulate: the accelerate config the run is launched with (its DeepSpeed or FSDP "
         "settings, and its num_processes as the default --gpus)",
     )
+    parser.add_argument(
+        "--gpu",
+        choices=sorted(GPU_PEAK_FLOPS),
+        help="with --simulate: the GPU the step's time is for, at its dense bf16 peak (with --efficiency): "
+        "the step's seconds, tokens per second and the run's GPU-hours",
+    )
+    parser.add_argument(
+        "--efficiency",
+        type=float,
+        default=DEFAULT_EFFICIENCY,
+        help="with --gpu: the share of the peak the step's executed FLOPs run at (default "
+        f"{DEFAULT_EFFICIENCY}, as Llama 3's 131k-token training measured)",
+    )
+    parser.add_argument(
+        "--tokens",
+        type=at_least(1),
+        help="with --gpu: tokens of one pass over the run's data, for its GPU-hours (default: the report.json "
+        "of its packed data.train_file)",
+    )
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -306,8 +326,9 @@ def _simulate(args: argparse.Namespace) -> int:
     from longalign.arguments import parse_lengths
     from longalign.artifacts import write_json
     from longalign.config import load_config
+    from longalign.flops import Throughput
     from longalign.probe import _deepspeed_config, parse_size, sharding
-    from longalign.simulate import Setup, accelerate_environment, run_simulation
+    from longalign.simulate import Setup, accelerate_environment, packed_run_tokens, run_simulation
 
     cfg = load_config(args.config, args.overrides)
     environ, processes = dict(os.environ), None
@@ -315,14 +336,17 @@ def _simulate(args: argparse.Namespace) -> int:
         launch, processes = accelerate_environment(args.accelerate_config)
         environ.update(launch)
     memory = args.gpu_memory or args.max_memory
+    gpus = args.gpus or processes or cfg.training.sequence_parallel_size
     setup = Setup(
-        gpus=args.gpus or processes or cfg.training.sequence_parallel_size,
+        gpus=gpus,
         gpu_memory=parse_size(memory) if memory else None,
         host_memory=parse_size(args.host_memory) if args.host_memory else None,
         kernel=args.kernel,
         how=sharding(cfg, environ),
         deepspeed=_deepspeed_config(cfg.training.args, environ),
         seed=args.seed,
+        throughput=Throughput(args.gpu, args.efficiency) if args.gpu else None,
+        run_tokens=packed_run_tokens(cfg, epoch_tokens=args.tokens, gpus=gpus) if args.gpu else None,
     )
     rows = run_simulation(
         cfg, parse_lengths(args.lengths), setup, lambda line: print(line, flush=True), source=str(args.config)
@@ -340,9 +364,9 @@ def _probe(args: argparse.Namespace) -> int:
 
     if args.simulate:
         return _simulate(args)
-    if args.host_memory or args.kernel or args.accelerate_config:
+    if args.host_memory or args.kernel or args.accelerate_config or args.gpu or args.tokens:
         raise ConfigError(
-            "--host-memory, --kernel and --accelerate-config describe a simulation: add --simulate"
+            "--host-memory, --kernel, --accelerate-config, --gpu and --tokens describe a simulation: add --simulate"
         )
     if (args.gpus or args.gpu_memory) and not args.plan:
         raise ConfigError("--gpus and --gpu-memory describe the GPUs of a plan: add --plan LENGTHS")

@@ -40,6 +40,11 @@ checkpointing keeps of it), while the peak stays in the last layer's backward an
 equal, part by part, to counting all 8 layers of an 8-layer model (checkpointing alone, tiled MLP, +
 offload). ``full_depth=True`` counts every layer.
 
+The same step counts its FLOPs as it runs (``flops.StepFlops``): matrix products by torch's
+``FlopCounterMode``, attention by the FlashAttention stand-in from each call's shapes and samples; the
+layers are extrapolated as the bytes are, and with a GPU (``Setup.throughput``) they become the step's
+seconds and the run's GPU-hours (:func:`timed`).
+
 A tiled MLP or layer runs only the tiles that can reach a new peak (``tiled_mlp.distinct_tiles_only``: the
 first two of each loop and the first of each further tile size), which count what all of them count
 (equal in bytes, ``tests/test_simulate.py``; ``every_tile=True`` runs them all). Llama-3.1-8B at 1M tokens
@@ -51,6 +56,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 import os
 import time
@@ -61,6 +67,21 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from longalign.errors import ConfigError
+from longalign.flops import (
+    BACKWARD_PER_FORWARD,
+    GPU_PEAK_FLOPS,
+    RunTokens,
+    StepFlops,
+    Throughput,
+    attention_flops,
+    causal_pairs,
+    format_amount,
+    format_flops,
+    format_tokens,
+    model_flops,
+    run_gpu_hours,
+    run_tokens,
+)
 from longalign.probe import Sharding, format_bytes, format_length, model_states, synthetic_pack
 from longalign.tensor_memory import PARTS, CopiesToHost, LiveTensors
 
@@ -106,6 +127,9 @@ class Setup:
     full_depth: bool = False  # count every layer instead of extrapolating from counted_layers
     every_tile: bool = False  # run every tile of a tiled MLP or layer, not the distinct ones alone
     counted_layers: int = 2  # a deeper model is counted with this many layers and one fewer
+    sample_tokens: int | None = None  # packs of samples this long (the last one cut), not a synthetic mix
+    throughput: Throughput | None = None  # the GPU and efficiency the step's time is for
+    run_tokens: RunTokens | None = None  # the whole run's tokens, for its GPU-hours
 
 
 def kernel_for(cfg, kernel: str | None = None) -> str:
@@ -245,14 +269,19 @@ def _kernel_buffers(kernel: str, q: torch.Tensor, k: torch.Tensor, samples: int)
 
 
 class _FlashKernel(torch.autograd.Function):
-    """A FlashAttention-style varlen kernel that allocates what the kernel does and computes nothing."""
+    """A FlashAttention-style varlen kernel that allocates what the kernel does and computes nothing; with
+    ``flops``, it adds its forward's FLOPs (``forward_flops``) to them, and its backward's as it runs."""
 
     @staticmethod
-    def forward(ctx, q, k, v, kernel: str, samples: int):
+    def forward(
+        ctx, q, k, v, kernel: str, samples: int, flops: StepFlops | None = None, forward_flops: int = 0
+    ):
         out = torch.empty_like(q)
         lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
-        ctx.kernel, ctx.samples = kernel, samples
+        ctx.kernel, ctx.samples, ctx.flops, ctx.forward_flops = kernel, samples, flops, forward_flops
         ctx.save_for_backward(q, k, v, out, lse)
+        if flops is not None:
+            flops.add_attention(forward_flops)
         return out
 
     @staticmethod
@@ -263,22 +292,37 @@ class _FlashKernel(torch.autograd.Function):
         grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         buffers = _kernel_buffers(ctx.kernel, q, k, ctx.samples)
         del buffers  # freed as the kernel returns
-        return *grads, None, None
+        if ctx.flops is not None:
+            ctx.flops.add_attention(int(BACKWARD_PER_FORWARD * ctx.forward_flops))
+        return *grads, None, None, None, None
 
 
 @contextlib.contextmanager
-def kernel_stand_in(kernel: str, values: _Values) -> Iterator[None]:
+def kernel_stand_in(kernel: str, values: _Values, flops: StepFlops | None = None) -> Iterator[None]:
     """Within the block, ``longalign.attention.varlen_attention`` runs ``kernel``'s stand-in, whatever backend
-    the tensors' device would pick; everything else of ``varlen_attention`` runs as it is."""
+    the tensors' device would pick; everything else of ``varlen_attention`` runs as it is. A FlashAttention
+    stand-in adds the FLOPs of each call to ``flops`` (:func:`~longalign.flops.attention_flops` of the
+    samples of its ``cu_seqlens``; ``sdpa_segments`` runs itself, and is not counted)."""
     from longalign import attention
 
     def run(q, k, v, cu_seqlens, max_seqlen, causal, scale, dropout, window):
+        bounds = values.value(cu_seqlens)
         if kernel == "sdpa_segments":
-            bounds = values.value(cu_seqlens)
             if bounds is None:
                 raise SimulationError("sdpa_segments: the sample boundaries of the pack are not known")
             return attention._sdpa_segments(q, k, v, bounds, max_seqlen, causal, scale, dropout, window)
-        return _FlashKernel.apply(q, k, v, kernel, cu_seqlens.numel() - 1)
+        forward = 0
+        if flops is not None:
+            if bounds is None:
+                raise SimulationError(
+                    f"{kernel}: the sample boundaries of the pack are not known, nor its FLOPs"
+                )
+            with torch._C._DisableTorchDispatch():  # a real tensor: read as it is, not through the modes
+                seq_lens = bounds.diff().tolist()
+            forward = attention_flops(
+                seq_lens, heads=q.shape[1], qk_dim=q.shape[2], v_dim=v.shape[2], window=window, causal=causal
+            )
+        return _FlashKernel.apply(q, k, v, kernel, cu_seqlens.numel() - 1, flops, forward)
 
     resolve, functions = attention.resolve_backend, dict(attention._BACKEND_FUNCTIONS)
     attention.resolve_backend = lambda *args, **kwargs: "simulated"
@@ -352,6 +396,7 @@ class Counted:
     part_peaks: dict[str, int]
     host: int
     seconds: float = 0.0
+    flops: dict[str, int] | None = None  # executed: {"matmul": n, "attention": n}; None: not counted
 
 
 def _fake_mode():
@@ -430,11 +475,21 @@ def _optimizer(model: torch.nn.Module, args):
     return cls([g for g in groups if g["params"]], **kwargs)
 
 
-def _batch(cfg, length: int, vocab_size: int, window: int | None, seed: int) -> dict[str, Any]:
-    """Rank 0's batch of the trainer's collator on one synthetic pack of ``length`` tokens per pack row."""
+def _pack(length: int, vocab_size: int, window: int | None, setup: Setup) -> dict[str, list[int]]:
+    """A synthetic pack of ``length`` tokens: ``synthetic_pack``'s mix of samples, or with
+    ``setup.sample_tokens`` samples of that many tokens (the last one cut to fill the pack)."""
+    pack = synthetic_pack(length, vocab_size=vocab_size, seed=setup.seed, longest=window)
+    if setup.sample_tokens is None:
+        return pack
+    full, rest = divmod(length, setup.sample_tokens)
+    seq_lens = [setup.sample_tokens] * full + ([rest] if rest else [])
+    return {**pack, "seq_lens": seq_lens, "cu_seqlens": [0, *itertools.accumulate(seq_lens)]}
+
+
+def _batch(cfg, pack: Mapping[str, list[int]]) -> dict[str, Any]:
+    """Rank 0's batch of the trainer's collator on ``pack`` in every pack row."""
     from longalign.batching import PackCollator
 
-    pack = synthetic_pack(length, vocab_size=vocab_size, seed=seed, longest=window)
     rows = cfg.training.args.get("per_device_train_batch_size", 1)
     collate = PackCollator(
         weighting=cfg.loss.weighting,
@@ -487,9 +542,14 @@ def counted_step(
     hooks = offload.host_memory_hooks
     offload.host_memory_hooks = lambda: CopiesToHost(live)
     tiles = contextlib.nullcontext() if every_tile else distinct_tiles_only()
+    flops = None if kernel == "sdpa_segments" else StepFlops()
+    counting = contextlib.nullcontext() if flops is None else flops
+    weighing = contextlib.nullcontext() if flops is None else flops.weighing_tiles()
     start = time.perf_counter()
     try:
-        with fake_mode, kernel_stand_in(kernel, values), tiles, live:
+        # The FLOP counter below the memory counter: it runs an operation it has no formula for as its
+        # decomposition, whose pieces the memory counter must not see (the kernel runs the operation whole).
+        with fake_mode, kernel_stand_in(kernel, values, flops), tiles, counting, live, weighing:
             live.track(model.parameters(), "weights")
             live.track(model.buffers(), "weights")
             live.track(_states(optimizer), "optimizer states")
@@ -512,6 +572,7 @@ def counted_step(
         part_peaks=dict(live.part_peaks),
         host=live.host_peak,
         seconds=time.perf_counter() - start,
+        flops=None if flops is None else flops.totals(),
     )
 
 
@@ -549,6 +610,7 @@ def _extrapolate(low: Counted, high: Counted, steps: int) -> Counted:
         part_peaks={p: line(low.part_peaks[p], high.part_peaks[p]) for p in PARTS},
         host=line(low.host, high.host),
         seconds=low.seconds + high.seconds,
+        flops=None if high.flops is None else {k: line(low.flops[k], high.flops[k]) for k in high.flops},
     )
 
 
@@ -587,10 +649,12 @@ def simulate_lengths(cfg, lengths: list[int], setup: Setup) -> list[dict[str, An
         sizes = _full_sizes(cfg, model, counted_layers, depth, parameter_sizes)
         layer_bytes = _layer_bytes(model)
         largest = _largest_module_bytes(model)
+        parameters = _multiplied_parameters(model, sizes)
         rows = []
         window = getattr(text, "max_position_embeddings", None)
         for length in lengths:
-            batch = _batch(cfg, length, text.vocab_size, window, setup.seed)
+            pack = _pack(length, text.vocab_size, window, setup)
+            batch = _batch(cfg, pack)
             high = measure(batch)
             if counted_layers < depth:
                 layers = _decoder_layers(model)
@@ -606,19 +670,109 @@ def simulate_lengths(cfg, lengths: list[int], setup: Setup) -> list[dict[str, An
             else:
                 counted = high
             tokens = batch["input_ids"].shape[-1]
-            rows.append(
-                placed(
-                    counted,
-                    length=length,
-                    tokens_per_gpu=tokens,
-                    hidden=text.hidden_size,
-                    sizes=sizes,
-                    setup=setup,
-                    layer_bytes=layer_bytes,
-                    largest_module_bytes=largest,
-                )
+            row = placed(
+                counted,
+                length=length,
+                tokens_per_gpu=tokens,
+                hidden=text.hidden_size,
+                sizes=sizes,
+                setup=setup,
+                layer_bytes=layer_bytes,
+                largest_module_bytes=largest,
             )
+            packs = batch["input_ids"].shape[0] / split  # pack rows per GPU: a pack is split over its group
+            reference = _model_flops(text, pack["seq_lens"], parameters, packs)
+            rows.append({**row, **timed(counted, model_flops=reference, tokens=packs * length, setup=setup)})
     return rows
+
+
+def _multiplied_parameters(model: torch.nn.Module, sizes: Mapping[str, int]) -> int:
+    """The whole model's parameters less the input embedding's, which is looked up, not multiplied (unless
+    the head shares it)."""
+    embedding = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    shared = head is not None and head.weight is embedding
+    return sizes["parameters"] - (0 if shared else embedding.numel())
+
+
+def _model_flops(text, seq_lens: list[int], parameters: int, packs: float) -> float:
+    """Model FLOPs of ``packs`` packs of ``seq_lens``, each layer's attention within its window, if any."""
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    depth = text.num_hidden_layers
+    kinds = getattr(text, "layer_types", None) or ["full_attention"] * depth
+    window = getattr(text, "sliding_window", None)
+    pairs = sum(causal_pairs(seq_lens, window if kind == "sliding_attention" else None) for kind in kinds)
+    return packs * model_flops(
+        parameters=parameters,
+        tokens=sum(seq_lens),
+        pairs=pairs,
+        layers=1,  # the pairs are summed over the layers already
+        heads=heads,
+        qk_dim=head_dim,
+        v_dim=head_dim,
+    )
+
+
+def timed(counted: Counted, *, model_flops: float, tokens: float, setup: Setup) -> dict[str, Any]:
+    """The counted step's FLOPs per GPU, its ratio to the model's, and with ``setup.throughput`` its time,
+    tokens per second per GPU and (with ``setup.run_tokens``) the run's GPU-hours; ``tokens``: the step's
+    tokens per GPU. Nothing but the model's FLOPs where nothing was counted (``sdpa_segments``)."""
+    row: dict[str, Any] = {"model_flops": model_flops}
+    if counted.flops is None:
+        return row
+    executed = sum(counted.flops.values())
+    row.update(
+        executed_flops=executed,
+        executed_matmul_flops=counted.flops["matmul"],
+        executed_attention_flops=counted.flops["attention"],
+        executed_per_model=executed / model_flops,
+    )
+    if setup.throughput is None:
+        return row
+    seconds = setup.throughput.step_seconds(executed)
+    row.update(
+        gpu=setup.throughput.gpu,
+        efficiency=setup.throughput.efficiency,
+        step_seconds=seconds,
+        tokens_per_second_per_gpu=tokens / seconds,
+    )
+    if setup.run_tokens is not None:
+        row.update(
+            run_tokens=setup.run_tokens.tokens,
+            run_tokens_source=setup.run_tokens.source,
+            gpu_hours=run_gpu_hours(setup.run_tokens.tokens, tokens / seconds),
+        )
+    return row
+
+
+def packed_run_tokens(cfg, *, epoch_tokens: int | None, gpus: int) -> RunTokens | None:
+    """The tokens the whole run trains on (``flops.run_tokens``), from ``epoch_tokens`` a pass over its data
+    (``--tokens``), else from the ``report.json`` of its packed data (``data.train_file``); None when the
+    data is not packed yet (raw chats, a mix of sources): its tokens are not known before it is.
+    """
+    from longalign.artifacts import read_report
+
+    packs, source = None, "--tokens"
+    if epoch_tokens is None:
+        if not cfg.data.train_file:
+            return None
+        try:
+            report = read_report(cfg.data.train_file)
+        except (OSError, ValueError):
+            return None
+        if "packs" not in report or "tokens" not in report:  # a tokenized, not packed, directory
+            return None
+        epoch_tokens, packs = report["tokens"], report["packs"]
+        source = os.path.join(cfg.data.train_file, "report.json")
+    return run_tokens(
+        cfg.training.args,
+        epoch_tokens=epoch_tokens,
+        epoch_packs=packs,
+        pack_tokens=cfg.data.max_seq_len,
+        data_parallel=gpus // cfg.training.sequence_parallel_size,
+        source=source,
+    )
 
 
 def _set_layers(model, layers: int) -> None:
@@ -757,7 +911,45 @@ def format_simulation(rows: list[dict[str, Any]], setup: Setup) -> str:
             + f"{row['activation_bytes_per_token_per_hidden']:>16.1f}"
         )
     lines += [verdict(row, setup) for row in rows]
+    lines += [line for row in rows for line in step_time(row, setup)]
     return "\n".join(lines)
+
+
+def step_time(row: Mapping[str, Any], setup: Setup) -> list[str]:
+    """The step's FLOPs per GPU and, for a GPU, its time and the run's GPU-hours, in one or two lines::
+
+    1m: 3.83 PFLOP per GPU executed (matmuls 1.05 PFLOP, attention 2.78 PFLOP), 1.17 x the model's 3.27 PFLOP
+    1m: one H200 at 38% of 989 TFLOP/s: 10.2 s a step, 103,000 tokens/s per GPU; 10.5B tokens
+        (out/packed/report.json x 1 epochs): 28.4 GPU-hours
+    """
+    if "model_flops" not in row:
+        return []
+    name = format_length(row["length"])
+    if "executed_flops" not in row:
+        return [f"{name}: the model's {format_flops(row['model_flops'])} per GPU; sdpa_segments is not counted "
+                "(--kernel flash_attn_2 counts a GPU's step)"]  # fmt: skip
+    lines = [
+        f"{name}: {format_flops(row['executed_flops'])} per GPU executed (matmuls "
+        f"{format_flops(row['executed_matmul_flops'])}, attention {format_flops(row['executed_attention_flops'])}), "
+        f"{row['executed_per_model']:.2f} x the model's {format_flops(row['model_flops'])}"
+    ]
+    if "step_seconds" not in row:
+        lines[-1] += f"; --gpu {'|'.join(GPU_PEAK_FLOPS)} gives its time"
+        return lines
+    throughput = setup.throughput
+    peak = format_flops(GPU_PEAK_FLOPS[throughput.gpu], digits=0).replace("FLOP", "FLOP/s")
+    line = (
+        f"{name}: one {throughput.gpu.upper()} at {throughput.efficiency:.0%} of {peak}: "
+        f"{format_amount(row['step_seconds'])} s a step, {row['tokens_per_second_per_gpu']:,.0f} tokens/s per GPU; "
+    )
+    if "gpu_hours" in row:
+        line += (
+            f"the run's {format_tokens(row['run_tokens'])} tokens ({row['run_tokens_source']}): "
+            f"{format_amount(row['gpu_hours'])} GPU-hours"
+        )
+    else:
+        line += "the run's GPU-hours: its data is not packed yet, --tokens N gives its tokens per epoch"
+    return [*lines, line]
 
 
 def verdict(row: Mapping[str, Any], setup: Setup) -> str:

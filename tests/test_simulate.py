@@ -71,7 +71,8 @@ def test_the_simulated_rank_of_a_sequence_parallel_group_is_the_counted_real_ran
 )
 def test_running_only_the_distinct_tiles_counts_what_running_every_tile_counts(monkeypatch, overrides):
     """7 tiles of 1000 tokens (6 of 143, one of 142), FlashAttention 2's stand-in: every part at the peak, each
-    part's own peak and the host memory equal in bytes, with 3 tiles of each loop run instead of 7."""
+    part's own peak and the host memory equal in bytes, and the executed FLOPs (each tile run counted for
+    the tiles it stands for) equal, with 3 tiles of each loop run instead of 7."""
     from longalign.patch import tiled_layer, tiled_mlp
 
     one_layer = "model.init_from_config.num_hidden_layers=1"
@@ -93,6 +94,7 @@ def test_running_only_the_distinct_tiles_counts_what_running_every_tile_counts(m
         counted[every_tile] = ({k: v for k, v in row.items() if k != "seconds"}, sum(ran))
     (distinct, ran_distinct), (every, ran_every) = counted[False], counted[True]
     assert distinct == every
+    assert distinct["executed_matmul_flops"] > 0 and distinct["executed_attention_flops"] > 0
     assert ran_distinct * 7 == ran_every * 3
 
 
