@@ -193,12 +193,18 @@ def load_model(cfg: Config, device: torch.device | None = None) -> torch.nn.Modu
 def check_family(cfg: Config, config=None) -> families.Decision:
     """The model family's decision (``longalign.patch.families``) for the run's model and attention backend,
     from its config alone; raises ``UnsupportedModelError`` in one line when it cannot train on packed
-    samples exactly. Called before any data is prepared."""
+    samples exactly, or when ``training.sequence_tiling = "layer"`` cannot tile its layers. Called before any
+    data is prepared."""
     decision = families.decide(
         config if config is not None else model_config(cfg), backend=cfg.model.attn_backend
     )
     if not decision.exact:
         raise longalign.patch.UnsupportedModelError(decision.message())
+    if cfg.training.sequence_tiling == "layer" and decision.tiling is not None:
+        raise longalign.patch.UnsupportedModelError(
+            f"training.sequence_tiling = 'layer': longalign cannot tile the layers of {decision.architecture}: "
+            f"{decision.tiling} (sequence_tiling = 'mlp' tiles the MLP alone)"
+        )
     return decision
 
 

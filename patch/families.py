@@ -183,6 +183,7 @@ class Decision:
     architecture: str
     features: Features = field(default_factory=Features)
     refusals: tuple[str, ...] = ()
+    tiling: str | None = None  # why ``sequence_tiling = "layer"`` cannot tile its layers (None: it can)
 
     @property
     def exact(self) -> bool:
@@ -221,7 +222,35 @@ def decide_model(model: nn.Module, *, backend: str = "auto") -> Decision:
     """The decision for a built model (on any device, the meta device included)."""
     features = read_features(model)
     refusals = _structure_problems(model) + _feature_problems(model, features, backend)
-    return Decision(getattr(model.config, "model_type", "?"), type(model).__name__, features, tuple(refusals))
+    return Decision(
+        getattr(model.config, "model_type", "?"),
+        type(model).__name__,
+        features,
+        tuple(refusals),
+        tiling_problem(model, features),
+    )
+
+
+def tiling_problem(model: nn.Module, features: Features | None = None) -> str | None:
+    """Why ``longalign.patch.tile_layers`` cannot tile ``model``'s decoder layers; None when it can.
+
+    The tiled layer runs the layer's own forward over tiles of tokens around one call of the attention
+    function on the whole sequence, so every part of a layer but that call must treat each token alone:
+    norms, projections, RoPE, MLPs and token-routed experts do; a recurrence or a convolution over the
+    tokens does not::
+
+        Qwen3MoeForCausalLM  ->  None
+        Qwen3NextForCausalLM ->  "3 of its layers mix tokens by linear attention or a convolution, ..."
+    """
+    features = features if features is not None else read_features(model)
+    if getattr(model.config.get_text_config(), "altup_num_inputs", None):
+        return "its layers carry a stack of hidden states per token (AltUp), not one"
+    if features.linear_attention_layers:
+        return (
+            f"{len(features.linear_attention_layers)} of its layers mix tokens by linear attention or a "
+            "convolution, which the tiled layer does not run whole between its tiles"
+        )
+    return None
 
 
 def read_features(model: nn.Module) -> Features:

@@ -29,6 +29,7 @@ from transformers import AutoConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 import longalign.patch
+from longalign.errors import ModelError
 from longalign.patch import families
 
 TYPES = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
@@ -39,6 +40,7 @@ LENGTHS = (45, 70, 29)
 LOGITS_BOUND = 1e-6
 GRADS_BOUND = 1e-5
 TABLE = ROOT / "docs" / "training" / "families.md"
+TILE_TOKENS = 40  # the tiled layer's tiles: 40, 40, 40 and 24 of the 144 tokens
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,7 @@ class Outcome:
     status: str  # "exact", "refused", or a failure: "wrong", "crash"
     detail: str  # the refusal, the figures, or the error
     features: tuple[str, ...] = ()
+    tiled: str = ""  # the tiled layer: "exact: ...", "refused: ...", or a failure (exact families only)
 
 
 def relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -60,9 +63,9 @@ def _loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[0, :-1].double(), ids[0, 1:], reduction="sum")
 
 
-def packed_against_alone(model: torch.nn.Module) -> tuple[float, float]:
+def packed_against_alone(model: torch.nn.Module) -> tuple[float, float, str]:
     """(logits error, gradients error), norm-relative (the gradients as one vector): ``model`` packed (patched copy) against each
-    sample alone through ``model`` itself (eager)."""
+    sample alone through ``model`` itself (eager); and the tiled layer's outcome (:func:`tiled_against_untiled`)."""
     packed_model = longalign.patch.apply(copy.deepcopy(model), backend="sdpa_segments")
     ids = torch.randint(FIRST_SAFE_ID, VOCAB, (1, sum(LENGTHS)), generator=torch.Generator().manual_seed(1))
     ends = torch.tensor(LENGTHS).cumsum(0).tolist()
@@ -77,7 +80,12 @@ def packed_against_alone(model: torch.nn.Module) -> tuple[float, float]:
         "max_length_k": max(LENGTHS),
     }
     packed = packed_model(**batch, use_cache=False).logits
-    sum(_loss(packed[:, part], ids[:, part]) for part in parts).backward()
+
+    def packed_loss(logits: torch.Tensor) -> torch.Tensor:
+        return sum(_loss(logits[:, part], ids[:, part]) for part in parts)
+
+    packed_loss(packed).backward()
+    tiled = tiled_against_untiled(model, packed_model, batch, packed, packed_loss)
     alone = [model(input_ids=ids[:, part], use_cache=False).logits for part in parts]
     sum(_loss(logits, ids[:, part]) for logits, part in zip(alone, parts, strict=True)).backward()
     logits_error = relative(packed.double(), torch.cat(alone, dim=1).double())
@@ -87,7 +95,39 @@ def packed_against_alone(model: torch.nn.Module) -> tuple[float, float]:
         torch.cat([actual[name].grad.double().flatten() for name in names]),
         torch.cat([model.get_parameter(name).grad.double().flatten() for name in names]),
     )
-    return logits_error, grads_error
+    return logits_error, grads_error, tiled
+
+
+def tiled_against_untiled(
+    model: torch.nn.Module, packed_model: torch.nn.Module, batch: dict, packed: torch.Tensor, loss
+) -> str:
+    """The family's decoder layers tiled (``tile_layers``, 4 tiles of the 144 tokens, their edges inside the
+    samples) on the packed batch against ``packed_model`` untiled: "exact", "refused: ..." (by the
+    decision, before any data), "refused at its first forward: ..." (a layer that calls attention twice),
+    "wrong: ..." or "crash: ..."."""
+    try:
+        tiled_model = longalign.patch.tile_layers(
+            longalign.patch.apply(copy.deepcopy(model), backend="sdpa_segments"), tile_tokens=TILE_TOKENS
+        )
+    except ModelError as err:
+        return f"refused: {err}"
+    try:
+        tiled = tiled_model(**batch, use_cache=False).logits
+        loss(tiled).backward()
+    except ModelError as err:  # what the layer's structure shows only when it runs
+        return f"refused at its first forward: {err}"
+    except Exception as err:  # noqa: BLE001 - a family the tiled layer accepts and fails on is the finding
+        first = (str(err).strip().splitlines() or [""])[0]
+        return f"crash: {type(err).__name__}: {first}"
+    names = [name for name, p in packed_model.named_parameters() if p.grad is not None]
+    actual = dict(tiled_model.named_parameters())
+    logits_error = relative(tiled.double(), packed.double())
+    grads_error = relative(
+        torch.cat([actual[name].grad.double().flatten() for name in names]),
+        torch.cat([packed_model.get_parameter(name).grad.double().flatten() for name in names]),
+    )
+    exact = logits_error <= LOGITS_BOUND and grads_error <= GRADS_BOUND
+    return f"{'exact' if exact else 'wrong'}: logits {logits_error:.1e}, gradients {grads_error:.1e}"
 
 
 @functools.cache
@@ -115,17 +155,20 @@ def _outcome(model_type: str) -> Outcome:
     torch.manual_seed(0)
     try:
         model = build(config).train()  # dropout is off in the tiny configs; train() as training runs
-        logits_error, grads_error = packed_against_alone(model)
+        logits_error, grads_error, tiled = packed_against_alone(model)
     except Exception as err:  # noqa: BLE001 - an accepted family that fails is the finding
         first = (str(err).strip().splitlines() or [""])[0]
         return Outcome(model_type, decision.architecture, "crash", f"{type(err).__name__}: {first}", features)
     status = "exact" if logits_error <= LOGITS_BOUND and grads_error <= GRADS_BOUND else "wrong"
+    if tiled.startswith("refused: ") and (decision.tiling is None or decision.tiling not in tiled):
+        tiled = f"crash: tile_layers refused what the decision did not ({decision.tiling}): {tiled}"
     return Outcome(
         model_type,
         decision.architecture,
         status,
         f"logits {logits_error:.1e}, gradients {grads_error:.1e} (norm-relative)",
         features,
+        tiled,
     )
 
 
@@ -145,6 +188,22 @@ def test_the_families_the_manual_names_are_exact():
         "phi3", "olmo2", "smollm3",
     ]  # fmt: skip
     assert {name: outcome(name).status for name in named} == dict.fromkeys(named, "exact")
+
+
+def test_every_exact_family_s_tiled_layer_is_the_untiled_one_or_refused_in_one_line():
+    """``sequence_tiling = "layer"`` on every family that packs exactly: the same logits and gradients as the
+    untiled packed model, or a one-line refusal that the decision gave before any data (``Decision.tiling``)."""
+    found = {model_type: outcome(model_type) for model_type in TYPES}
+    exact = {model_type: tiled.tiled for model_type, tiled in found.items() if tiled.status == "exact"}
+    failed = {
+        model_type: tiled for model_type, tiled in exact.items() if not tiled.startswith(("exact", "refused"))
+    }
+    assert not failed, failed
+    refused = [tiled for tiled in exact.values() if tiled.startswith("refused")]
+    assert all("\n" not in tiled and "longalign cannot tile" in tiled for tiled in refused)
+    named = ["llama", "qwen3_moe", "glm4_moe", "gpt_oss", "gemma3_text", "gemma4_text", "deepseek_v3", "phi3"]
+    named += ["olmo2", "smollm3", "ministral", "granite", "cohere2", "exaone4", "seed_oss", "llama4_text"]
+    assert {name: exact[name].split(":")[0] for name in named} == dict.fromkeys(named, "exact")
 
 
 def table() -> str:
@@ -222,10 +281,12 @@ def expected_update(model: torch.nn.Module, samples) -> dict[str, torch.Tensor]:
     return {name: -p.grad for name, p in model.named_parameters() if p.grad is not None}
 
 
-def run_one_step(model_type: str, tmp_path: Path, lora: str = "") -> tuple[torch.nn.Module, list]:
+def run_one_step(
+    model_type: str, tmp_path: Path, lora: str = "", training: str = ""
+) -> tuple[torch.nn.Module, list]:
     """One plain SGD step (learning rate 1) of ``longalign train`` on one pack of the samples, from a tiny
-    random base of ``model_type`` saved in ``tmp_path / "base"``, with ``[lora]`` settings if given; the base
-    (eager attention) and the samples."""
+    random base of ``model_type`` saved in ``tmp_path / "base"``, with ``[lora]`` settings and more
+    ``[training]`` lines if given; the base (eager attention) and the samples."""
     from conftest import TOKENIZER, save_packs
 
     from longalign.cli import main
@@ -243,6 +304,7 @@ def run_one_step(model_type: str, tmp_path: Path, lora: str = "") -> tuple[torch
         f"[training]\noutput_dir = '{tmp_path / 'run'}'\nmax_steps = 1\nlearning_rate = 1.0\noptim = 'sgd'\n"
         "lr_scheduler_type = 'constant'\nmax_grad_norm = 0.0\nweight_decay = 0.0\nuse_cpu = true\n"
         "save_strategy = 'no'\nlogging_steps = 1\nreport_to = 'none'\ndisable_tqdm = true\n"
+        f"{training}"
         f"[model]\nmodel_name_or_path = '{tmp_path / 'base'}'\ntokenizer = '{TOKENIZER}'\n"
         "torch_dtype = 'float32'\nattn_backend = 'sdpa_segments'\n" + (f"[lora]\n{lora}\n" if lora else "")
     )
@@ -265,6 +327,22 @@ def relative_update(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor])
 def test_one_sgd_step_of_the_run_equals_the_family_s_own_model_on_each_sample_alone(model_type, tmp_path):
     before, samples = run_one_step(model_type, tmp_path)
     # The saved weights with the base's config: the run's saved config names the tokenizer's special tokens.
+    after = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run", config=before.config)
+    got = {name: p - before.get_parameter(name) for name, p in after.named_parameters()}
+    error = relative_update(got, expected_update(before.train(), samples))
+    assert error < UPDATE_BOUND, f"{model_type}: the update is {error:.1e} off"
+
+
+# Sequence tiling by layer under activation checkpointing with its inputs offloaded: a dense family, a mixture
+# of experts with its router loss, sandwich norms, attention sinks (with a sliding window).
+TILED_STEPS = ["llama", "qwen3_moe", "gemma3_text", "gpt_oss"]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("model_type", TILED_STEPS)
+def test_one_sgd_step_with_tiled_layers_checkpointed_and_offloaded_is_the_family_s_own(model_type, tmp_path):
+    settings = "sequence_tiling = 'layer'\nmlp_tile_tokens = 40\nactivation_checkpointing = true\n"
+    before, samples = run_one_step(model_type, tmp_path, training=settings + "offload_activations = true\n")
     after = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run", config=before.config)
     got = {name: p - before.get_parameter(name) for name, p in after.named_parameters()}
     error = relative_update(got, expected_update(before.train(), samples))
