@@ -1,4 +1,60 @@
-"""DOCSTRING"""
+"""Sequence-tiled decoder layer: the layer's own forward runs over the tokens in tiles around one call of
+the attention function on the whole sequence; the layer keeps only its input and recomputes itself. Exact.
+
+A decoder layer is token-wise everywhere but in its attention call. For one micro-batch of ``T`` tokens
+(hidden ``H``) in tiles of ``t``, the family's own ``forward`` runs twice per tile::
+
+    first pass   x[:, i:i+t] -> the family's norm, projections, RoPE (q/k norms, MLA, ...) up to the
+                 attention call, which is stopped there: q, k, v [B, heads, t, D] are kept, and what
+                 the attention module's children (q_proj, k_proj, ...) returned before it
+    attention    the attention function once, on the whole q, k, v [B, heads, T, D], with the kwargs
+                 the module passed (window, chunks, soft-cap, sinks, scaling), position_ids whole, and
+                 per_kv_head=True (longalign's varlen attention: backward buffers one group at a time)
+                                                                  -> attended [B, T, heads, D]
+    second pass  x[:, i:i+t] again through the layer: the attention module's children hand back what
+                 they returned, the attention call hands back attended[:, i:i+t]; everything after it
+                 (o-projection, gates, sandwich norms, multipliers, residuals, MLP or experts) is the
+                 family's code                                    -> out[:, i:i+t]
+
+Per-token arguments are cut to the tile (position_ids, RoPE's cos and sin, Gemma 4's per-layer inputs,
+a per-position scale); the attention mask and the varlen ``cu_seq_lens``/``max_length`` stay whole, for
+the attention call. Which families fit is :func:`longalign.patch.families.tiling_problem`'s (linear
+attention and AltUp's stacked hidden states are refused when the model loads); a layer that calls
+attention twice is refused at its first step.
+
+The layer is one autograd function that keeps its input alone (as activation checkpointing keeps it, so
+``offload_checkpointed_inputs`` moves it to host memory) and whose backward runs:
+
+1. every tile's first pass again, without gradients: the whole q, k, v and the children's outputs;
+2. the attention call on them, with gradients;
+3. every tile's second pass, differentiated: gradients of the tile's input, of its tile of the
+   attention output, of the children's outputs (a gate that q_proj made, say) and of the parameters;
+4. the attention call's backward: q's, k's, v's gradients (and a sink's);
+5. every tile's first pass once more, differentiated into the tile's input and the parameters.
+
+So per step each token-wise part runs in forward and once in backward, the q/k/v projections twice;
+transformers' activation checkpointing does not wrap a tiled layer (its checkpointing function runs the
+layer as it is), which would recompute all of it once more. The tensors that span the micro-batch exist
+only while the layer runs: its input, q, k, v, the attention output, the children's outputs before the
+call (q, k, v before RoPE: about their size again), and their gradients; the norms' outputs, the
+residual sums and the MLP's ``[t, intermediate]`` tensors exist for one tile at a time, in forward and
+in backward. Between forward and backward a layer keeps its input only.
+
+What the model records inside a layer (a mixture of experts' router logits, through transformers'
+output-recording hooks) is collected per tile in the second pass, joined in token order and handed to
+the model once per layer call, as an output of the autograd function: the router loss's gradient comes
+back to it and enters step 3, so it reaches the router once.
+
+Its trained parameters are inputs of the autograd function: its backward computes each tile's gradients
+with ``torch.autograd.grad`` (no gradient hook fires there) and returns their sum, so every parameter's
+hook fires once per backward (DDP, ZeRO); autocast and each pass's random state (LoRA dropout) are
+replayed for the recompute. Under ZeRO-3 the whole decoder layer is made a leaf module: DeepSpeed gathers
+its parameters once when the layer starts and runs no collective inside it, so ranks with different
+token counts (and tile counts) never wait on each other. The model's final norm runs in tiles too:
+untiled, its float32 backward holds more than a tiled layer (24 bytes per token per unit of hidden).
+The layer's class is replaced by a subclass of the same name (wrap policies find layers by name); with
+a KV cache (generation) the layer runs its own forward.
+"""
 
 from __future__ import annotations
 
