@@ -376,6 +376,22 @@ def _is_float(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.is_floating_point()
 
 
+class _WrappedFunctions(dict):
+    """A mapping of attention functions by name that hands each out wrapped. (A class of its own, not one
+    made per call: a class is cyclic garbage, which would keep the tiles' tensors the wrapper refers to
+    alive until the garbage collector runs.)"""
+
+    def __init__(self, local: dict, shared: dict, wrap: Callable[[Callable], Callable]) -> None:
+        super().__init__()
+        self.local, self.shared, self.wrap = local, shared, wrap
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.local or key in self.shared
+
+    def __getitem__(self, key: str) -> Callable:
+        return self.wrap(self.local[key] if key in self.local else self.shared[key])
+
+
 @contextlib.contextmanager
 def _attention_calls(wrap: Callable[[Callable], Callable]) -> Iterator[None]:
     """Every attention function a module looks up in transformers' ``ALL_ATTENTION_FUNCTIONS`` (by
@@ -383,17 +399,10 @@ def _attention_calls(wrap: Callable[[Callable], Callable]) -> Iterator[None]:
     interface = ALL_ATTENTION_FUNCTIONS
     local = interface._local_mapping
 
-    class Wrapped(dict):
-        def __contains__(self, key: object) -> bool:
-            return key in local or key in interface._global_mapping
-
-        def __getitem__(self, key: str) -> Callable:
-            return wrap(local[key] if key in local else interface._global_mapping[key])
-
     def get_interface(name: str, default: Callable) -> Callable:
         return wrap(local.get(name, interface._global_mapping.get(name, default)))
 
-    interface._local_mapping = Wrapped()
+    interface._local_mapping = _WrappedFunctions(local, interface._global_mapping, wrap)
     interface.get_interface = get_interface
     try:
         yield
@@ -502,17 +511,35 @@ def _first_pass(
     call: _LayerCall, x: torch.Tensor, replay: bool
 ) -> tuple[list[torch.Tensor], dict[int, list]]:
     """Every tile of ``x`` up to the attention call, without gradients: the whole q, k, v, and each tile's
-    cached children's outputs."""
+    children's outputs, as ``(child, output)``.
+
+    Outputs over the tile's tokens (``[B, t, ...]``, as a projection's) are written into one tensor over
+    all tokens and handed out as its tiles: memory is that whole tensor, whichever tiles run (the memory
+    simulation runs only the distinct ones).
+    """
     qkv: list[torch.Tensor] = []
+    wholes: list[torch.Tensor | None] = []
     cached: dict[int, list] = {}
     with torch.no_grad():
         for index, start, stop in _tiles(call.length, call.count):
             _drawing(call, x.device, ("before", index), replay)
-            tile_qkv, cached[index] = call.before(x[:, start:stop], start, stop)
+            tile_qkv, children = call.before(x[:, start:stop], start, stop)
             if not qkv:
                 qkv = [_buffer(t, -2, call.length) for t in tile_qkv]
+                wholes = [
+                    _buffer(out, 1, call.length)
+                    if tuple(out.shape[:2]) == (call.batch, stop - start)
+                    else None
+                    for _, out in children
+                ]
             for whole, tile in zip(qkv, tile_qkv, strict=True):
                 whole[..., start:stop, :] = tile
+            cached[index] = []
+            for (module, out), whole in zip(children, wholes, strict=True):
+                if whole is not None:
+                    whole[:, start:stop] = out
+                    out = whole[:, start:stop]
+                cached[index].append((module, out))
     return qkv, cached
 
 

@@ -7,6 +7,9 @@ samples (45, 70 and 29 tokens) as the family's own eager model trains on each sa
 and the gradients of the summed next-token loss. A family it refuses must be refused in one line. A family
 that is neither (accepted and different, or accepted and crashing) fails.
 
+Each exact family's layers are also tiled (``sequence_tiling = "layer"``) on the same packed row: the
+same logits and gradients as untiled, or refused in one line.
+
 The families run in this one process, float64, on tiny models. ``docs/training/families.md`` holds the
 table of outcomes; the last test checks that it is this run's (``LONGALIGN_WRITE_FAMILIES=1`` rewrites it).
 """

@@ -1,13 +1,15 @@
-"""The sequence-tiled decoder layer: exact for every family, token-wise tensors one tile at a time.
+"""The sequence-tiled decoder layer: exact, token-wise tensors one tile at a time, each part recomputed once.
 
-The fast tests check each family's tiled model against the untiled one in float64 (output and every
-gradient, packed samples; with checkpointing, offloaded inputs and LoRA adapters spread over them), that the projections run tile by tile in forward and in backward's recompute,
-what a tiled layer keeps for backward, LoRA dropout drawn again identically in the recompute, generation
-with a KV cache, and the refusals; then one optimizer step of the real trainer with the layers tiled against
-the same step without (Llama; GLM-4 and Qwen3 in the slow tier). The
-multi-rank cases (each pack split over 2 ranks; ZeRO-3 with uneven tile counts; flash-attn under sequence
-parallelism 2) share the launches of ``test_tiled_mlp.py`` and ``test_attention_kernels.py``.
-"""
+The fast tests check tiled models against untiled ones in float64 (output and every gradient, packed
+samples; with checkpointing, offloaded inputs and LoRA adapters spread over the families), that the
+projections and the MLP run tile by tile, in forward and once in backward (the q/k/v projections once
+more), what a tiled layer keeps for backward (its input), LoRA dropout drawn again identically in the
+recompute, a mixture of experts' router logits recorded once per layer, generation with a KV cache, and
+the refusals; then one optimizer step of the real trainer with the layers tiled against the same step
+without (Llama; GLM-4 and Qwen3 in the slow tier). Every family of the registry is tiled in
+``test_families.py``. The multi-rank cases (each pack split over 2 ranks; ZeRO-3 with uneven tile counts;
+flash-attn under sequence parallelism 2) share the launches of ``test_tiled_mlp.py`` and
+``test_attention_kernels.py``."""
 
 from __future__ import annotations
 
