@@ -213,9 +213,18 @@ def test_generation_with_a_kv_cache_runs_the_layer_s_own_forward():
 def test_a_layer_it_cannot_tile_is_refused_in_one_line_by_the_decision_and_at_load():
     """Linear attention's recurrence runs over the tokens: the decision refuses it before any data, and
     ``tile_layers`` with the same reason."""
+    from conftest import DEMO
+
+    from longalign.config import load_config
+    from longalign.run import check_family
+
     config = tiny_config("qwen3_next")
     reason = families.decide(config).tiling
     assert reason is not None and "mix tokens by linear attention" in reason
+    run = load_config(DEMO, ["training.sequence_tiling=layer"])
+    with pytest.raises(longalign.patch.UnsupportedModelError, match="cannot tile the layers of Qwen3Next"):
+        check_family(run, config)  # the dry run's and the training run's check, before any data
+    assert check_family(run, tiny_config("llama")).tiling is None
     with pytest.raises(
         ModelError, match="longalign cannot tile Qwen3NextDecoderLayer: 3 of its layers mix"
     ) as err:
