@@ -560,7 +560,7 @@ def _segments_forward(
     for start, end in pairwise(bounds):
         if end == start:
             continue
-        if sinks is None and call.softcap is None:  # CPU's fused kernel, scores never held whole
+        if _fused_runs(q, v, sinks, call):  # CPU's fused kernel, scores never held whole
             fused = _fused_inputs(q[start:end], k[start:end], v[start:end], call)
             out_i, lse_i = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(*fused[:5], **fused[5])
             out[start:end] = out_i[0].transpose(0, 1)
@@ -602,7 +602,7 @@ def _segments_backward(
     for start, end in pairwise(bounds):
         if end == start:
             continue
-        if sinks is None and call.softcap is None:
+        if _fused_runs(q, v, sinks, call):
             fused = _fused_inputs(q[start:end], k[start:end], v[start:end], call)
             dout_i, out_i = (x[start:end].transpose(0, 1)[None] for x in (dout, out))
             lse_i = lse[None, :, start:end].contiguous()
@@ -632,6 +632,12 @@ def _segments_backward(
             sink = sinks.to(work).view(kv_heads, -1, 1)
             dsinks -= (torch.exp(sink - lse_i) * row).sum(-1)
     return dq, dk, dv, None if dsinks is None else dsinks.reshape(heads).to(sinks.dtype)
+
+
+def _fused_runs(q: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, call: _Call) -> bool:
+    """Whether CPU's fused kernel runs a sample: it has no soft-cap and no sinks, and takes values of the
+    queries' head size only (multi-head latent attention's are narrower)."""
+    return sinks is None and call.softcap is None and q.shape[-1] == v.shape[-1]
 
 
 def _fused_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: _Call) -> tuple[Any, ...]:
