@@ -202,7 +202,9 @@ def check_family(cfg: Config, config=None) -> families.Decision:
     mode = cfg.training.sequence_tiling
     problem = decision.tiling_problem(mode)
     if problem is not None:
-        instead = "sequence_tiling = 'mlp' tiles the MLP alone" if mode == "layer" else "set sequence_tiling = ''"
+        instead = (
+            "sequence_tiling = 'mlp' tiles the MLP alone" if mode == "layer" else "set sequence_tiling = ''"
+        )
         raise longalign.patch.UnsupportedModelError(
             f"training.sequence_tiling = {mode!r} cannot tile {decision.architecture} (model type "
             f"{decision.model_type!r}): {problem}; {instead}"

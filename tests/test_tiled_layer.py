@@ -236,7 +236,10 @@ def test_a_layer_it_cannot_tile_is_refused_in_one_line_by_the_decision_and_at_lo
     reason = families.decide(config).layer_tiling
     assert reason is not None and "mix tokens by linear attention" in reason
     run = load_config(DEMO, ["training.sequence_tiling=layer"])
-    with pytest.raises(longalign.patch.UnsupportedModelError, match="sequence_tiling = 'layer' cannot tile Qwen3NextForCausalLM"):
+    with pytest.raises(
+        longalign.patch.UnsupportedModelError,
+        match="sequence_tiling = 'layer' cannot tile Qwen3NextForCausalLM",
+    ):
         check_family(run, config)  # the dry run's and the training run's check, before any data
     assert check_family(run, tiny_config("llama")).layer_tiling is None
     with pytest.raises(
