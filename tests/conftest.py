@@ -483,6 +483,27 @@ def glm_tokenizer(base_tokenizer):
     return tok
 
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # The test command runs two workers on the machine's cores: one thread each (and in the processes they
+    # start), or the workers' thread pools spin against each other.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+
+def pytest_sessionfinish(session):
+    """A worker of a distributed run hands its docs report to the controller, which prints it."""
+    report = session.config.stash.get(DOCS_REPORT, None)
+    if report and hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["docs_report"] = report
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    report = getattr(node, "workeroutput", {}).get("docs_report")
+    if report:
+        node.config.stash[DOCS_REPORT] = report
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """The documented commands: how many ran, and why each of the others does not (tests/test_docs.py)."""
     report = config.stash.get(DOCS_REPORT, None)

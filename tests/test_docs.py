@@ -259,7 +259,9 @@ def test_the_readme_test_command_is_the_one_ci_runs():
     readme = commands_in((ROOT / "README.md").read_text(encoding="utf-8"), "README.md")
     tests = [c.text for c in readme if "pytest" in c.text]
     assert tests == [ci_command()]
-    assert tests[0].endswith("&& .venv/bin/python -m pytest -q && .venv/bin/mkdocs build --strict")
+    assert tests[0].endswith(
+        "&& .venv/bin/python -m pytest -q -n 2 --dist loadfile && .venv/bin/mkdocs build --strict"
+    )
     demo = [c.text for c in readme if c.text.endswith("bash scripts/demo.sh")]
     assert len(demo) == 1 and demo[0].startswith(
         "python3 -m venv .venv && .venv/bin/pip install torch==2.13.0"
