@@ -311,28 +311,66 @@ def kernel_stand_in(kernel: str, values: _Values, flops: StepFlops | None = None
             if bounds is None:
                 raise SimulationError("sdpa_segments: the sample boundaries of the pack are not known")
             return attention._sdpa_segments(q, k, v, bounds, max_seqlen, causal, scale, dropout, window)
-        forward = 0
+        return _FlashKernel.apply(
+            q, k, v, kernel, cu_seqlens.numel() - 1, flops, forward_flops(q, v, cu_seqlens, causal, window)
+        )
+
+    def forward_flops(q, v, cu_seqlens, causal, window) -> int:
+        if flops is None:
+            return 0
+        bounds = values.value(cu_seqlens)
+        if bounds is None:
+            raise SimulationError(f"{kernel}: the sample boundaries of the pack are not known, nor its FLOPs")
+        with torch._C._DisableTorchDispatch():  # a real tensor: read as it is, not through the modes
+            seq_lens = bounds.diff().tolist()
+        return attention_flops(
+            seq_lens, heads=q.shape[1], qk_dim=q.shape[2], v_dim=v.shape[2], window=window, causal=causal
+        )
+
+    # One key/value head at a time (per_kv_head), as the kernels' own forward and backward run it: each group's
+    # forward keeps its output and log-sum-exp, its backward allocates the group's gradients and buffers.
+    def kept_forward(q, k, v, sinks, call):
+        out = q.new_empty((*q.shape[:2], v.shape[2]))
+        lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
         if flops is not None:
-            if bounds is None:
-                raise SimulationError(
-                    f"{kernel}: the sample boundaries of the pack are not known, nor its FLOPs"
-                )
-            with torch._C._DisableTorchDispatch():  # a real tensor: read as it is, not through the modes
-                seq_lens = bounds.diff().tolist()
-            forward = attention_flops(
-                seq_lens, heads=q.shape[1], qk_dim=q.shape[2], v_dim=v.shape[2], window=window, causal=causal
-            )
-        return _FlashKernel.apply(q, k, v, kernel, cu_seqlens.numel() - 1, flops, forward)
+            flops.add_attention(forward_flops(q, v, call.cu_seqlens, call.causal, call.window))
+        return out, lse
+
+    def kept_backward(dout, q, k, v, out, lse, sinks, call):
+        grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        buffers = _kernel_buffers(kernel, q, k, call.cu_seqlens.numel() - 1)
+        del buffers  # freed as the kernel returns
+        if flops is not None:
+            forward = forward_flops(q, v, call.cu_seqlens, call.causal, call.window)
+            flops.add_attention(int(BACKWARD_PER_FORWARD * forward))
+        return *grads, None
+
+    def known(call):
+        bounds = values.value(call.cu_seqlens)
+        if bounds is None:
+            raise SimulationError("sdpa_segments: the sample boundaries of the pack are not known")
+        return call._replace(cu_seqlens=bounds)
 
     resolve, functions = attention.resolve_backend, dict(attention._BACKEND_FUNCTIONS)
+    kept = dict(attention._KEPT_FUNCTIONS)
     attention.resolve_backend = lambda *args, **kwargs: "simulated"
     attention._BACKEND_FUNCTIONS["simulated"] = run
+    if kernel == "sdpa_segments":  # its own forward and backward, on the pack's known sample boundaries
+        own = kept["sdpa_segments"]
+        attention._KEPT_FUNCTIONS["simulated"] = own._replace(
+            forward=lambda *args: own.forward(*args[:4], known(args[4])),
+            backward=lambda *args: own.backward(*args[:7], known(args[7])),
+        )
+    else:
+        attention._KEPT_FUNCTIONS["simulated"] = attention._Kept(kept_forward, kept_backward)
     try:
         yield
     finally:
         attention.resolve_backend = resolve
         attention._BACKEND_FUNCTIONS.clear()
         attention._BACKEND_FUNCTIONS.update(functions)
+        attention._KEPT_FUNCTIONS.clear()
+        attention._KEPT_FUNCTIONS.update(kept)
 
 
 # --- the model and the step -------------------------------------------------------------------------------
