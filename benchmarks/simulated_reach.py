@@ -21,8 +21,8 @@ under 80 GiB and 141 GB (131.3 GiB); host memory (2 TiB per node) limits every r
 tokens per GPU the tiled layer's peak (with offloaded inputs) is set by another part of the step than the
 one that grows fastest, and a line through two such lengths promises far too much: through 128k and 256k,
 10.4 bytes per token per unit of hidden and 1,792k tokens on 80 GB, where from 1M to 2M the step grows by
-14.1 and 1,792k does not fit. The 8-GPU rows are simulated with ``sequence_parallel_size = 8`` (rank 0 of
-the group: its slice, and the all-to-all buffers), one process per line. Takes about 18 minutes on two
+15.9 and 1,792k does not fit. The 8-GPU rows are simulated with ``sequence_parallel_size = 8`` (rank 0 of
+the group: its slice, and the all-to-all buffers), one process per line. Takes about 8 minutes on two
 shared cores.
 """
 
