@@ -22,30 +22,19 @@ head (``QK^T`` and ``PV``; a call in a recompute counts again), a backward ``10 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
-from torch.utils.flop_counter import FlopCounterMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import longalign.patch
 from longalign import attention
+from longalign.flops import StepFlops
 
 VARIANTS = ["checkpointing", "+ tiled MLP", "+ tiled layer"]
 VOCAB = 512
-
-
-class GlobalOnly(contextlib.AbstractContextManager):
-    """FLOPs counted for the whole step only: torch's per-module tracker hooks every module call, and fails
-    on a module called with no gradient inside an autograd function on inputs that need one (the tiles)."""
-
-    parents = frozenset({"Global"})
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 class Attention:
@@ -103,8 +92,7 @@ def step_flops(model: torch.nn.Module, ids: torch.Tensor, batch: dict) -> tuple[
     attention._KEPT_FUNCTIONS["sdpa_segments"] = kept._replace(
         forward=counted_forward, backward=counted_backward
     )
-    counter = FlopCounterMode(display=False)
-    counter.mod_tracker = GlobalOnly()
+    counter = StepFlops()  # FlopCounterMode counting the whole step (the tiles defeat its module tracker)
     try:
         with counter:
             logits = model(**batch, use_cache=False).logits
@@ -114,7 +102,7 @@ def step_flops(model: torch.nn.Module, ids: torch.Tensor, batch: dict) -> tuple[
             whole,
             kept,
         )
-    counts = counter.get_flop_counts()["Global"]
+    counts = counter.mode.get_flop_counts()["Global"]
     outside = sum(flops for op, flops in counts.items() if "attention" not in str(op))
     return outside, counted
 
