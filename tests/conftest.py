@@ -383,6 +383,29 @@ def killed_once(
     return process.returncode
 
 
+@contextlib.contextmanager
+def kept_kernel_calls(backend: str):
+    """Within the block, every call of ``backend``'s per-key/value-head forward and backward
+    (``longalign.attention._KEPT_FUNCTIONS``), in order: the yielded list fills with "forward" and "backward"."""
+    from longalign import attention
+
+    kept, calls = attention._KEPT_FUNCTIONS[backend], []
+
+    def counted(step, function):
+        def run(*args):
+            calls.append(step)
+            return function(*args)
+
+        return run
+
+    recorded = kept._replace(
+        forward=counted("forward", kept.forward), backward=counted("backward", kept.backward)
+    )
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setitem(attention._KEPT_FUNCTIONS, backend, recorded)
+        yield calls
+
+
 def launch(
     script: Path | str,
     *args: str,

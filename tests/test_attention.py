@@ -6,7 +6,7 @@ import importlib.util
 
 import pytest
 import torch
-from conftest import assert_relatively_close, relative_error
+from conftest import assert_relatively_close, kept_kernel_calls, relative_error
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -524,7 +524,7 @@ def test_the_cpu_kernel_s_backward_from_out_and_lse_is_autograd_of_the_formula(
     assert (got[3] is None) == (not with_sinks)
 
 
-def test_per_kv_head_runs_each_group_s_forward_once_and_its_backward_once(monkeypatch):
+def test_per_kv_head_runs_each_group_s_forward_once_and_its_backward_once():
     """In a small autograd graph (a projection before, a loss after), ``per_kv_head`` calls each key/value
     group's forward once in forward and, in backward, only the kernel's backward: no forward runs again.
     Values and gradients, sinks' included, equal the whole kernel's (float64)."""
@@ -539,21 +539,8 @@ def test_per_kv_head_runs_each_group_s_forward_once_and_its_backward_once(monkey
         return [loss, *torch.autograd.grad(loss, (q, k, v, weight, sinks))]
 
     want = loss_and_grads(False)
-    calls = []
-    kept = attention._KEPT_FUNCTIONS["sdpa_segments"]
-
-    def counted(step, function):
-        def run(*args):
-            calls.append(step)
-            return function(*args)
-
-        return run
-
-    recorded = kept._replace(
-        forward=counted("forward", kept.forward), backward=counted("backward", kept.backward)
-    )
-    monkeypatch.setitem(attention._KEPT_FUNCTIONS, "sdpa_segments", recorded)
-    got = loss_and_grads(True)
+    with kept_kernel_calls("sdpa_segments") as calls:
+        got = loss_and_grads(True)
     assert calls == ["forward"] * 3 + ["backward"] * 3
     assert relative_error(got, want) <= 1e-12
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import launch, needs_deepspeed, needs_launcher, relative_error, tiny_model
+from conftest import kept_kernel_calls, launch, needs_deepspeed, needs_launcher, relative_error, tiny_model
 from kernel_standins import (
     CACHE,
     FLASH_ATTN_VERSION,
@@ -448,21 +448,7 @@ def test_per_kv_head_calls_each_kernel_s_backward_on_its_kept_out_and_lse(kernel
         "softcap": softcap,
         "chunk": chunk,
     }
-    calls = []
-    kept = attention._KEPT_FUNCTIONS[backend]
-
-    def counted(step, function):
-        def run(*args):
-            calls.append(step)
-            return function(*args)
-
-        return run
-
-    recorded = kept._replace(
-        forward=counted("forward", kept.forward), backward=counted("backward", kept.backward)
-    )
-    with pytest.MonkeyPatch.context() as patched:
-        patched.setitem(attention._KEPT_FUNCTIONS, backend, recorded)
+    with kept_kernel_calls(backend) as calls:
         got = values_and_grads(q, k, v, cotangent, backend=backend, per_kv_head=True, **options)
     q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
     want = values_and_grads(q64, k64, v64, cotangent.double(), backend="sdpa_segments", **options)
