@@ -442,7 +442,7 @@ def router_loss_spec(model: nn.Module) -> RouterLoss | None:
     num_experts, num_experts_per_tok)`` to its loss when its config has ``output_router_logits`` on (Mixtral,
     Qwen2/3-MoE, OLMoE, gpt-oss, Granite-MoE, Jamba, DBRX, ...); the three values are attributes its
     ``__init__`` copies from the config, and are read there. Families whose forward adds no router term
-    (DeepSeek-V3, GLM-4.5, Llama 4 in transformers 5.24) have no ``router_aux_loss_coef`` attribute and get
+    (DeepSeek-V3, GLM-4.5, Llama 4 in transformers 5.24 and 5.25) have no ``router_aux_loss_coef`` attribute and get
     none here either. ``model`` may be in a PEFT wrapper.
     """
     causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model

@@ -59,7 +59,7 @@ class LogitTransform:
     kind: str  # "multiply": logits * v; "divide": logits / v; "softcap": v * tanh(logits / v), off if None
 
 
-# The families whose causal LM transforms the logits after ``self.lm_head(...)`` (transformers 5.24), by
+# The families whose causal LM transforms the logits after ``self.lm_head(...)`` (transformers 5.24 and 5.25), by
 # ``config.model_type``. Any other transform after the head is caught by the check on the model's output
 # (:meth:`LossHead.returned_sum`). Families that transform always, with no neutral value (Inkling's softcap
 # module, RecurrentGemma, xLSTM), are left to that check.
@@ -74,7 +74,7 @@ LOGIT_TRANSFORMS: dict[str, LogitTransform] = {
         LogitTransform("logit_scale", "module", "multiply"),
     ),
     "falcon_h1": LogitTransform("model.lm_head_multiplier", "module", "multiply"),
-    **dict.fromkeys(  # Gemma 3's multimodal class (model_type "gemma3") does not cap in 5.24
+    **dict.fromkeys(  # Gemma 3's multimodal class (model_type "gemma3") does not cap in 5.24 or 5.25
         (
             "gemma2", "gemma3_text", "gemma3n", "gemma3n_text", "gemma4", "gemma4_text", "gemma4_unified",
             "gemma4_unified_text", "vaultgemma", "nanochat", "beam",

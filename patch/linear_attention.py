@@ -8,7 +8,7 @@ Packed, both must restart where a sample starts, as they do when the sample runs
     convolution   b0 sees b0 alone (not a1, a2); c1 sees c0 and c1
     state         0 -> a0 -> a1 -> a2 | 0 -> b0 | 0 -> c0 -> c1
 
-What transformers 5.24 does on its own: the Qwen layers hand ``cu_seq_lens_q`` to the delta rule as
+What transformers 5.24 and 5.25 do on their own: the Qwen layers hand ``cu_seq_lens_q`` to the delta rule as
 ``cu_seqlens`` but give the convolution no ``seq_idx``, so even with both kernels installed a sample's first
 tokens read the previous sample's last ones; Kimi-Linear hands the kernels no boundaries at all. Without
 flash-linear-attention the torch delta rule refuses ``cu_seqlens`` (a ValueError), and a batch that marks

@@ -10,6 +10,7 @@ rounding and nothing else, and the tests say where.
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -290,6 +291,14 @@ def test_the_kernels_get_cu_seqlens_under_the_name_each_family_reads():
     assert linear_attention.kernel_keyword(modeling_kimi_linear.KimiLinearDeltaAttention) == "cu_seqlens"
 
 
+def torch_path(function):
+    """The torch function behind transformers' kernel wrapper: through ``__wrapped__``, and from transformers
+    5.25 out of the kernels library's ``Func`` module that holds the wrapper."""
+    if isinstance(function, torch.nn.Module):
+        function = inspect.getclosurevars(type(function).forward).nonlocals["func"]
+    return inspect.unwrap(function)
+
+
 def varlen_conv(reference):
     """causal-conv1d's ``causal_conv1d_fn`` as a stand-in: ``seq_idx [1, T]`` restarts the convolution."""
 
@@ -336,7 +345,7 @@ def test_the_varlen_kernel_call_keeps_samples_apart_with_stand_ins(monkeypatch, 
     with torch.no_grad():
         expected, _ = alone(reference, packed_batch()["input_ids"])
         monkeypatch.setattr(linear_attention, "kernels_ready", lambda hidden_states: True)
-        monkeypatch.setattr(module, "causal_conv1d_fn", varlen_conv(module.causal_conv1d_fn.__wrapped__))
-        monkeypatch.setattr(module, rule, varlen_delta_rule(getattr(module, rule).__wrapped__))
+        monkeypatch.setattr(module, "causal_conv1d_fn", varlen_conv(torch_path(module.causal_conv1d_fn)))
+        monkeypatch.setattr(module, rule, varlen_delta_rule(torch_path(getattr(module, rule))))
         logits = model(**packed_batch("position_ids")).logits
     torch.testing.assert_close(logits, expected, atol=1e-10, rtol=0)

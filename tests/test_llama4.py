@@ -38,7 +38,9 @@ def llama4_in_float64(monkeypatch):
         return turn(xq), turn(xk)
 
     def l2_norm(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        # variance_epsilon since transformers 5.25, eps before it
+        eps = getattr(self, "variance_epsilon", None) or self.eps
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
     def route(self, hidden_states):
         logits = torch.nn.functional.linear(hidden_states, self.weight)
