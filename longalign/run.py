@@ -193,18 +193,21 @@ def load_model(cfg: Config, device: torch.device | None = None) -> torch.nn.Modu
 def check_family(cfg: Config, config=None) -> families.Decision:
     """The model family's decision (``longalign.patch.families``) for the run's model and attention backend,
     from its config alone; raises ``UnsupportedModelError`` in one line when it cannot train on packed
-    samples exactly, or when ``training.sequence_tiling = "mlp"`` finds no MLP to tile. Called before any data
-    is prepared."""
+    samples exactly, or when ``training.sequence_tiling`` cannot tile it. Called before any data is prepared."""
     decision = families.decide(
         config if config is not None else model_config(cfg), backend=cfg.model.attn_backend
     )
     if not decision.exact:
         raise longalign.patch.UnsupportedModelError(decision.message())
-    problem = decision.features.mlp_tiling_problem
-    if cfg.training.sequence_tiling == "mlp" and problem:
+    mode = cfg.training.sequence_tiling
+    problem = decision.tiling_problem(mode)
+    if problem is not None:
+        instead = (
+            "sequence_tiling = 'mlp' tiles the MLP alone" if mode == "layer" else "set sequence_tiling = ''"
+        )
         raise longalign.patch.UnsupportedModelError(
-            f"training.sequence_tiling = 'mlp' cannot tile {decision.architecture} (model type "
-            f"{decision.model_type!r}): {problem}; set training.sequence_tiling = '' to train it untiled"
+            f"training.sequence_tiling = {mode!r} cannot tile {decision.architecture} (model type "
+            f"{decision.model_type!r}): {problem}; {instead}"
         )
     return decision
 

@@ -42,12 +42,11 @@ from . import cu_seqlens_mask, families, linear_attention, llama4
 from .interface import ATTENTION_NAMES, register, varlen_attention_forward
 from .offload import offload_checkpointed_inputs
 from .sequence_parallel import sequence_parallel_problems, whole_rows, wrap
-from .tiled_layer import TILEABLE_LAYERS, tile_layers
+from .tiled_layer import tile_layers
 from .tiled_mlp import tile_mlp
 
 __all__ = [
     "ATTENTION_NAMES",
-    "TILEABLE_LAYERS",
     "UnsupportedModelError",
     "apply",
     "check_model",

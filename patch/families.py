@@ -154,9 +154,6 @@ class Features:
     final_softcap: float | None = None  # softcap * tanh(logits / softcap) after the scale
     router_loss_coef: float | None = None  # the MoE load-balancing loss's coefficient, when it is on
     linear_attention_layers: tuple[int, ...] = ()  # layers whose token mixing is a recurrence or convolution
-    # Why training.sequence_tiling = "mlp" cannot tile the decoder layers' MLPs; None: every layer has a
-    # token-wise MLP (:func:`token_wise_mlp`)
-    mlp_tiling_problem: str | None = None
 
     def described(self) -> list[str]:
         """One phrase per feature the family has, for the dry run and the manual's table."""
@@ -188,6 +185,14 @@ class Decision:
     architecture: str
     features: Features = field(default_factory=Features)
     refusals: tuple[str, ...] = ()
+    # Why ``training.sequence_tiling`` cannot tile the model, by mode ("mlp": :func:`mlp_tiling_problem`,
+    # "layer": :func:`tiling_problem`); None: it can.
+    mlp_tiling: str | None = None
+    layer_tiling: str | None = None
+
+    def tiling_problem(self, mode: str) -> str | None:
+        """Why ``sequence_tiling = mode`` cannot tile the model ('' tiles nothing: None)."""
+        return {"mlp": self.mlp_tiling, "layer": self.layer_tiling}.get(mode)
 
     @property
     def exact(self) -> bool:
@@ -226,7 +231,36 @@ def decide_model(model: nn.Module, *, backend: str = "auto") -> Decision:
     """The decision for a built model (on any device, the meta device included)."""
     features = read_features(model)
     refusals = _structure_problems(model) + _feature_problems(model, features, backend)
-    return Decision(getattr(model.config, "model_type", "?"), type(model).__name__, features, tuple(refusals))
+    return Decision(
+        getattr(model.config, "model_type", "?"),
+        type(model).__name__,
+        features,
+        tuple(refusals),
+        mlp_tiling=mlp_tiling_problem(model),
+        layer_tiling=tiling_problem(model, features),
+    )
+
+
+def tiling_problem(model: nn.Module, features: Features | None = None) -> str | None:
+    """Why ``longalign.patch.tile_layers`` cannot tile ``model``'s decoder layers; None when it can.
+
+    The tiled layer runs the layer's own forward over tiles of tokens around one call of the attention
+    function on the whole sequence, so every part of a layer but that call must treat each token alone:
+    norms, projections, RoPE, MLPs and token-routed experts do; a recurrence or a convolution over the
+    tokens does not::
+
+        Qwen3MoeForCausalLM  ->  None
+        Qwen3NextForCausalLM ->  "3 of its layers mix tokens by linear attention or a convolution, ..."
+    """
+    features = features if features is not None else read_features(model)
+    if getattr(model.config.get_text_config(), "altup_num_inputs", None):
+        return "its layers carry a stack of hidden states per token (AltUp), not one"
+    if features.linear_attention_layers:
+        return (
+            f"{len(features.linear_attention_layers)} of its layers mix tokens by linear attention or a "
+            "convolution, which the tiled layer does not run whole between its tiles"
+        )
+    return None
 
 
 def read_features(model: nn.Module) -> Features:
@@ -252,7 +286,6 @@ def read_features(model: nn.Module) -> Features:
         final_softcap=softcap,
         router_loss_coef=router,
         linear_attention_layers=tuple(_token_mixing_layers(model)),
-        mlp_tiling_problem=mlp_tiling_problem(model),
     )
 
 

@@ -1,49 +1,66 @@
-"""Sequence-tiled decoder layer: every part of the layer that treats each token alone runs over the tokens in
-tiles, and each tile is recomputed in backward. Exact.
+"""Sequence-tiled decoder layer: the layer's own forward runs over the tokens in tiles around one call of
+the attention function on the whole sequence; the layer keeps only its input and recomputes itself. Exact.
 
-A decoder layer is token-wise everywhere but in its attention kernel. Tiled, the layer runs in three parts;
-for one micro-batch of ``T`` tokens (hidden ``H``, ``Hq`` query and ``Hkv`` key/value heads of ``D``)::
+A decoder layer is token-wise everywhere but in its attention call. For one micro-batch of ``T`` tokens
+(hidden ``H``) in tiles of ``t``, the family's own ``forward`` runs twice per tile::
 
-    before    x [T, H] tile by tile: input norm, q/k/v projections (+ biases, + Qwen3's per-head
-              norms), RoPE                                  -> q [T, Hq, D], k, v [T, Hkv, D]
-    kernel    the model's attention function on the whole q, k, v (varlen, and the Ulysses exchange
-              under sequence parallelism), its kernel run once per key/value head
-                                                            -> attention output [T, Hq x D]
-    after     x and the attention output tile by tile: o-projection (+ GLM-4's post-attention norm),
-              residual, norm, MLP (+ GLM-4's post-MLP norm), residual               -> out [T, H]
+    first pass   x[:, i:i+t] -> the family's norm, projections, RoPE (q/k norms, MLA, ...) up to the
+                 attention call, which is stopped there: q, k, v [B, heads, t, D] are kept, and what
+                 the attention module's children (q_proj, k_proj, ...) returned before it
+    attention    the attention function once, on the whole q, k, v [B, heads, T, D], with the kwargs
+                 the module passed (window, chunks, soft-cap, sinks, scaling), position_ids whole, and
+                 per_kv_head=True (longalign's varlen attention: backward buffers one group at a time)
+                                                                  -> attended [B, T, heads, D]
+    second pass  x[:, i:i+t] again through the layer: the attention module's children hand back what
+                 they returned, the attention call hands back attended[:, i:i+t]; everything after it
+                 (o-projection, gates, sandwich norms, multipliers, residuals, MLP or experts) is the
+                 family's code                                    -> out[:, i:i+t]
 
-So the tensors that span the whole micro-batch are the layer's input, q, k, v, the attention output (and
-what the kernel keeps), and their gradients; the norms' outputs, the projections' ``[T, intermediate]``
-tensors and the residual sums exist for one tile at a time, in forward and in backward. The attention
-kernel's own backward buffers exist for one key/value head and its query heads at a time (longalign's
-varlen attention with ``per_kv_head``, after the exchange): FlashAttention 2's float32 ``dq`` accumulator
-and its ``dk``/``dv`` expanded to every query head, 8 bytes per token per unit of hidden for Llama-3.1-8B's
-32/8 heads, become an eighth of that. The model's final norm runs in tiles too: untiled, its float32
-backward holds more than any tiled layer (24 bytes per token per unit of hidden). The part after
-the kernel is two autograd nodes, ``h = x + o_proj(attention output)`` and ``h + mlp(norm(h))``: the first
-passes ``h``'s gradient on to ``x`` as it is, and the second keeps ``x`` and the attention output (kept
-anyway) instead of ``h`` and rebuilds each tile of ``h`` in its backward, so the gradient arriving at the
-layer's output is freed before the attention output's is made, and no whole ``h`` is kept. Each part is an
-autograd function built as ``tiled_mlp``'s: its trained parameters are inputs, its backward computes
-each tile's gradients with ``torch.autograd.grad`` (no gradient hook fires there) and returns their sum,
-so every parameter's hook fires once per backward (DDP, ZeRO); autocast and each tile's random state
-(LoRA dropout) are replayed for the recompute. Under ZeRO-3 the whole decoder layer is made a leaf module:
-DeepSpeed gathers its parameters once when the layer starts and runs no collective inside it, so ranks
-with different token counts (and tile counts) never wait on each other.
+Per-token arguments are cut to the tile (position_ids, RoPE's cos and sin, Gemma 4's per-layer inputs,
+a per-position scale); the attention mask and the varlen ``cu_seq_lens``/``max_length`` stay whole, for
+the attention call. Which families fit is :func:`longalign.patch.families.tiling_problem`'s (linear
+attention and AltUp's stacked hidden states are refused when the model loads); a layer that calls
+attention twice is refused at its first step.
 
-The tiles reuse the layer's own modules (norms, projections or their LoRA wrappers, the MLP) and the
-family's own ``apply_rotary_pos_emb``; the layer's class is replaced by a subclass of the same name whose
-``forward`` is the tiled one, so transformers' activation checkpointing (which wraps the class's
-``forward``) and longalign's offloading of checkpointed inputs apply to it unchanged. With a KV cache
-(generation) the layer runs its own forward.
+The layer is one autograd function that keeps its input alone (as activation checkpointing keeps it, so
+``offload_checkpointed_inputs`` moves it to host memory) and whose backward runs:
+
+1. every tile's first pass again, without gradients: the whole q, k, v and the children's outputs;
+2. the attention call on them, with gradients;
+3. every tile's second pass, differentiated: gradients of the tile's input, of its tile of the
+   attention output, of the children's outputs (a gate that q_proj made, say) and of the parameters;
+4. the attention call's backward: q's, k's, v's gradients (and a sink's);
+5. every tile's first pass once more, differentiated into the tile's input and the parameters.
+
+So per step each token-wise part runs in forward and once in backward, the q/k/v projections twice;
+transformers' activation checkpointing does not wrap a tiled layer (its checkpointing function runs the
+layer as it is), which would recompute all of it once more. The tensors that span the micro-batch exist
+only while the layer runs: its input, q, k, v, the attention output, the children's outputs before the
+call (q, k, v before RoPE: about their size again), and their gradients; the norms' outputs, the
+residual sums and the MLP's ``[t, intermediate]`` tensors exist for one tile at a time, in forward and
+in backward. Between forward and backward a layer keeps its input only.
+
+What the model records inside a layer (a mixture of experts' router logits, through transformers'
+output-recording hooks) is collected per tile in the second pass, joined in token order and handed to
+the model once per layer call, as an output of the autograd function: the router loss's gradient comes
+back to it and enters step 3, so it reaches the router once.
+
+Its trained parameters are inputs of the autograd function: its backward computes each tile's gradients
+with ``torch.autograd.grad`` (no gradient hook fires there) and returns their sum, so every parameter's
+hook fires once per backward (DDP, ZeRO); autocast and each pass's random state (LoRA dropout) are
+replayed for the recompute. Under ZeRO-3 the whole decoder layer is made a leaf module: DeepSpeed gathers
+its parameters once when the layer starts and runs no collective inside it, so ranks with different
+token counts (and tile counts) never wait on each other. The model's final norm runs in tiles too:
+untiled, its float32 backward holds more than a tiled layer (24 bytes per token per unit of hidden).
+The layer's class is replaced by a subclass of the same name (wrap policies find layers by name); with
+a KV cache (generation) the layer runs its own forward.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -51,45 +68,38 @@ from torch import nn
 from transformers.integrations import is_deepspeed_zero3_enabled
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils import output_capturing
 
 from longalign.errors import ModelError
 
+from .families import tiling_problem
 from .tiled_mlp import _autocast_state, _cast, _rng_state, _tiles, tile_count
 
-# Decoder layers whose every part but the attention kernel treats each token alone, by class, and the
-# family's extras: q/k norms per head (Qwen3), norms after attention and MLP (GLM-4), and where the
-# attention finds its sliding window ("module": its own attribute, "config": the config's; None: none).
-TILEABLE_LAYERS = {
-    "LlamaDecoderLayer": {"qk_norms": False, "post_norms": False, "window": None},
-    "GlmDecoderLayer": {"qk_norms": False, "post_norms": False, "window": None},
-    "Glm4DecoderLayer": {"qk_norms": False, "post_norms": True, "window": None},
-    "MistralDecoderLayer": {"qk_norms": False, "post_norms": False, "window": "config"},
-    "Qwen2DecoderLayer": {"qk_norms": False, "post_norms": False, "window": "module"},
-    "Qwen3DecoderLayer": {"qk_norms": True, "post_norms": False, "window": "module"},
-}
-
 _TILED_CLASSES: dict[type, type] = {}  # a layer class -> its tiled subclass
+# Arguments of a layer that span the tokens but stay whole in every tile: the kernel reads them whole.
+_WHOLE_ARGUMENTS = frozenset(
+    {"attention_mask", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"}
+)
 
 
 def tile_layers(model: nn.Module, *, tile_tokens: int = 0) -> nn.Module:
     """Run every decoder layer of ``model``, and the norm after them, in tiles of ``tile_tokens`` tokens
     (0: ``hidden_size``).
 
-    Raises ``ModelError`` naming the class of a layer that cannot be tiled. Call it after the run's
-    ``TrainingArguments`` and before the engine wraps the model (ZeRO-3 reads the leaf flag when it
-    starts) and before ``offload_checkpointed_inputs``; LoRA adapters may come later.
+    Raises ``ModelError`` in one line when the model's layers cannot be tiled
+    (:func:`longalign.patch.families.tiling_problem`). Call it after the run's ``TrainingArguments`` and
+    before the engine wraps the model (ZeRO-3 reads the leaf flag when it starts); LoRA adapters and
+    ``offload_checkpointed_inputs`` may come before or after.
     """
     layers = [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
     if not layers:
         raise ModelError(f"training.sequence_tiling: {type(model).__name__} has no decoder layers to tile")
-    for layer in layers:
-        name = type(layer).__name__
-        if name not in TILEABLE_LAYERS:
-            raise ModelError(
-                f"training.sequence_tiling = 'layer': longalign cannot tile {name}; it tiles the decoder "
-                f"layers {', '.join(TILEABLE_LAYERS)} (sequence_tiling = 'mlp' tiles the MLP alone)"
-            )
-    zero3 = is_deepspeed_zero3_enabled()
+    problem = tiling_problem(model)
+    if problem is not None:
+        raise ModelError(
+            f"training.sequence_tiling = 'layer': longalign cannot tile {type(layers[0]).__name__}: {problem} "
+            "(sequence_tiling = 'mlp' tiles the MLP alone)"
+        )
     for layer in layers:
         if not hasattr(type(layer), "untiled"):
             layer.__class__ = _tiled_class(type(layer))
@@ -97,7 +107,7 @@ def tile_layers(model: nn.Module, *, tile_tokens: int = 0) -> nn.Module:
     norm = _final_norm(model)
     if norm is not None:
         norm.forward = functools.partial(_tiled_norm_forward, norm, tile_tokens=tile_tokens)
-    if zero3:
+    if is_deepspeed_zero3_enabled():
         from deepspeed.utils import set_z3_leaf_module
 
         for module in [*layers, *([norm] if norm is not None else [])]:
@@ -106,7 +116,7 @@ def tile_layers(model: nn.Module, *, tile_tokens: int = 0) -> nn.Module:
 
 
 def _final_norm(model: nn.Module) -> nn.Module | None:
-    """The norm after the last decoder layer (``model.model.norm`` for every family in ``TILEABLE_LAYERS``)."""
+    """The norm after the last decoder layer (``model.model.norm`` in transformers' decoders)."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     return getattr(decoder, "norm", None)
 
@@ -118,196 +128,399 @@ def _tiled_norm_forward(norm: nn.Module, hidden_states: torch.Tensor, *, tile_to
     more than any tiled layer holds; tiled, one tile of them.
     """
     batch, length, hidden = hidden_states.shape
-    tiles = _Tiles(min(length, tile_count(batch * length, hidden, tile_tokens)), norm)
-    (out,) = tiles.run(lambda x: (type(norm).forward(norm, x),), [hidden_states], [norm])
-    return out
+    count = min(length, tile_count(batch * length, hidden, tile_tokens))
+    trained = _trained(norm, norm)
+    return _TiledNorm.apply(norm, count, hidden_states, *trained)
+
+
+class _NotCheckpointed:
+    """A checkpointing function that runs the layer as it is: a tiled layer recomputes itself."""
+
+    def __get__(self, layer: nn.Module, owner: type) -> Callable:
+        return lambda function, *args: function(*args)
+
+    def __set__(self, layer: nn.Module, value: Callable) -> None:
+        pass  # transformers' activation checkpointing sets its function here; the tiled layer keeps its own
 
 
 def _tiled_class(cls: type) -> type:
-    """``cls`` with the tiled forward, under the same name (wrap policies and checks find layers by name)."""
+    """``cls`` with the tiled forward, under the same name (wrap policies and checks find layers by name).
+
+    Its ``gradient_checkpointing`` flag is left to transformers (longalign's offloading reads it), but the
+    checkpointing function it sets runs the layer as it is: the tiled forward keeps the layer's input alone
+    and recomputes the rest itself, so checkpointing would recompute it a second time.
+    """
     if cls not in _TILED_CLASSES:
         # Created through type(): transformers' __init_subclass__ wraps the new forward for checkpointing.
         _TILED_CLASSES[cls] = type(
             cls.__name__,
             (cls,),
-            {"forward": _tiled_layer_forward, "untiled": cls, "__module__": cls.__module__},
+            {
+                "forward": _tiled_layer_forward,
+                "untiled": cls,
+                "_gradient_checkpointing_func": _NotCheckpointed(),
+                "__module__": cls.__module__,
+            },
         )
     return _TILED_CLASSES[cls]
 
 
-def _tiled_layer_forward(
-    layer: nn.Module,
-    hidden_states: torch.Tensor,
-    attention_mask: torch.Tensor | None = None,
-    position_ids: torch.Tensor | None = None,
-    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-    **kwargs: Any,
-) -> torch.Tensor:
-    """The layer's own function on ``hidden_states [B, T, H]``, its token-wise parts run in tiles."""
-    cache = kwargs.pop("cache", None) or kwargs.pop("past_key_values", None)
-    if cache is not None:  # generation: the cache is written whole, by the layer's own code
-        return layer.untiled.forward(
-            layer,
-            hidden_states,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
-            position_embeddings=position_embeddings,
-            **kwargs,
-        )
-    spec = TILEABLE_LAYERS[type(layer).__name__]
-    attn = layer.self_attn
+def _tiled_layer_forward(layer: nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """The layer's own forward on ``hidden_states [B, T, H]``, run tile by tile around one attention call."""
+    if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+        # Generation: the cache is written whole, by the layer's own code.
+        return layer.untiled.forward(layer, hidden_states, *args, **kwargs)
     batch, length, hidden = hidden_states.shape
-    tiles = _Tiles(min(length, tile_count(batch * length, hidden, layer.tile_tokens)), layer)
-    cos, sin = position_embeddings
-    q, k, v = tiles.run(
-        functools.partial(_before_attention, layer, spec),
-        [hidden_states, cos, sin],
-        [layer.input_layernorm, attn.q_proj, attn.k_proj, attn.v_proj, *_qk_norms(attn, spec)],
+    call = _LayerCall(
+        layer, hidden_states, args, kwargs, min(length, tile_count(batch * length, hidden, layer.tile_tokens))
     )
-    interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-        attn.config._attn_implementation, sys.modules[type(attn).__module__].eager_attention_forward
-    )
-    options = {}
-    if spec["window"] == "module":
-        options["sliding_window"] = attn.sliding_window
-    elif spec["window"] == "config":
-        options["sliding_window"] = getattr(attn.config, "sliding_window", None)
-    attended, _ = interface(
-        attn,
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        attention_mask,
-        dropout=0.0 if not attn.training else attn.attention_dropout,
-        scaling=attn.scaling,
-        position_ids=position_ids,
-        per_kv_head=True,  # longalign's varlen attention: the kernel's backward buffers one group at a time
-        **options,
-        **kwargs,
-    )
-    del q, k, v
-    attended = attended.reshape(batch, length, -1)
-    # Two autograd nodes after attention, so that the gradient arriving at the layer's output is freed
-    # before the attention output's is made: h = x + o_proj(attended), then h + mlp(norm(h)). The second
-    # keeps not h but x and the attention output (kept anyway), and rebuilds each tile of h in backward.
-    branch = functools.partial(_attention_branch, layer, spec)
-    (h,) = tiles.run(
-        branch, [hidden_states, attended], [attn.o_proj, *_post_norms(layer, spec)[:1]], residual=True
-    )
-    block = functools.partial(_mlp_block, layer, spec)
-    rebuild = functools.partial(_rebuild_residual, branch, tiles)
-    return tiles.run_rebuilt(
-        block,
-        h,
-        rebuild,
-        [hidden_states, attended],
-        [layer.post_attention_layernorm, layer.mlp, *_post_norms(layer, spec)[1:]],
-    )
+    collector = output_capturing._active_collector.get()
+    call.recorded_keys = [
+        key for key in (collector or {}) if key != "hidden_states" and not key.startswith("_")
+    ]
+    out, *recorded = _TiledLayer.apply(call, hidden_states, *call.graded, *call.trained())
+    for key, tensor in zip(call.recorded_names, recorded, strict=True):
+        collector[key].append(tensor)  # once per layer call, the tiles joined in token order
+    return out
 
 
-def _before_attention(
-    layer: nn.Module, spec: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, ...]:
-    """One tile from the layer's input to q, k, v ``[B, t, heads, D]``, as the layer's attention computes them."""
-    attn = layer.self_attn
-    h = layer.input_layernorm(x)
-    shape = (*h.shape[:-1], -1, attn.head_dim)
-    q, k, v = (projection(h).view(shape) for projection in (attn.q_proj, attn.k_proj, attn.v_proj))
-    if spec["qk_norms"]:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    rotate = sys.modules[type(attn).__module__].apply_rotary_pos_emb
-    q, k = rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-    return q.transpose(1, 2), k.transpose(1, 2), v
+class _Stop(Exception):
+    """Raised at the attention call of a tile's first pass: what follows needs the whole attention output."""
 
 
-def _attention_branch(layer: nn.Module, spec: dict, attended: torch.Tensor) -> tuple[torch.Tensor]:
-    """One tile of what attention adds to the residual: the o-projection (and GLM-4's norm after it)."""
-    out = layer.self_attn.o_proj(attended)
-    return (layer.post_self_attn_layernorm(out) if spec["post_norms"] else out,)
+class _LayerCall:
+    """One call of a tiled layer: its arguments, its tiles, and the two passes of the layer's own forward
+    over one tile.
 
-
-def _mlp_block(layer: nn.Module, spec: dict, h: torch.Tensor) -> tuple[torch.Tensor]:
-    """One tile of ``h`` plus the MLP's contribution: norm, MLP (and GLM-4's norm after it)."""
-    out = layer.mlp(layer.post_attention_layernorm(h))
-    return (h + (layer.post_mlp_layernorm(out) if spec["post_norms"] else out),)
-
-
-def _rebuild_residual(
-    branch: Callable, tiles: _Tiles, index: int, x: torch.Tensor, attended: torch.Tensor
-) -> torch.Tensor:
-    """Tile ``index`` of ``h = x + branch(attended)`` again, drawing the random numbers its forward drew."""
-    tiles.restore(index)
-    return x + branch(attended)[0]
-
-
-def _qk_norms(attn: nn.Module, spec: dict) -> list[nn.Module]:
-    return [attn.q_norm, attn.k_norm] if spec["qk_norms"] else []
-
-
-def _post_norms(layer: nn.Module, spec: dict) -> list[nn.Module]:
-    return [layer.post_self_attn_layernorm, layer.post_mlp_layernorm] if spec["post_norms"] else []
-
-
-def _trained(*modules: nn.Module) -> list[torch.Tensor]:
-    """The trained parameters of ``modules`` (base weights, or LoRA's adapters on a frozen base)."""
-    return [param for module in modules for param in module.parameters() if param.requires_grad]
-
-
-class _Tiles:
-    """The tiles of one call of a layer: how many, and the random states its parts' tiles started from.
-
-    In training (where LoRA dropout may draw) each tile's random state is kept, so that a recompute in
-    backward draws what the forward drew, tile by tile, in whatever order backward visits the tiles.
+    ``before`` runs a tile up to the attention call and returns what the call was given (q, k, v
+    ``[B, heads, t, D]``) and the outputs of the attention module's children that ran before it (its
+    projections and norms); ``after`` runs the tile again from the start, those children handing back
+    their outputs instead of running, and the attention call handing back the tile of the whole output.
     """
 
-    def __init__(self, count: int, layer: nn.Module) -> None:
-        self.count, self.layer = count, layer
-        self.branch_states: dict | None = None  # the attention branch's, for rebuilding h
-        self.device = torch.device("cpu")
+    def __init__(self, layer: nn.Module, x: torch.Tensor, args: tuple, kwargs: dict, count: int) -> None:
+        self.layer, self.args, self.kwargs, self.count = layer, args, kwargs, count
+        self.batch, self.length = x.shape[:2]
+        self.wholes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(tile) -> (tile, whole)
+        self.leaves: dict[int, torch.Tensor] = {}  # id(whole) -> this tile's leaf, in backward's passes
+        # Per-token arguments that need a gradient besides the hidden states (Gemma 4's per-layer inputs).
+        self.graded = [
+            value
+            for value in _flat([*args, *(v for k, v in kwargs.items() if k not in _WHOLE_ARGUMENTS)])
+            if isinstance(value, torch.Tensor) and value.requires_grad and self.token_dim(value) is not None
+        ]
+        self.attention: dict[str, Any] = {}  # the module, function and arguments of the attention call
+        self.recorded_keys: list[str] = []  # the model's recorded outputs (router logits) to collect
+        self.recorded_names: list[str] = []  # the key of each recorded output of the layer, in order
+        self.layouts: list[str] = []  # how each recorded output holds the tokens: "flat" or "batch"
+        self.states: dict | None = {} if layer.training else None  # random states, by pass and tile
 
-    def trained(self, modules: list[nn.Module]) -> list[torch.Tensor]:
-        trained = _trained(*modules)
-        if any(getattr(param, "ds_numel", 0) and not param.numel() for param in trained):
+    def trained(self) -> list[torch.Tensor]:
+        return _trained(self.layer, self.layer)
+
+    def tile_arguments(self, start: int, stop: int) -> tuple[tuple, dict]:
+        """The layer's arguments for tokens ``start:stop``: per-token tensors sliced, the rest whole."""
+        args = tuple(self._sliced(value, start, stop) for value in self.args)
+        kwargs = {
+            key: value if key in _WHOLE_ARGUMENTS else self._sliced(value, start, stop)
+            for key, value in self.kwargs.items()
+        }
+        return args, kwargs
+
+    def _sliced(self, value: Any, start: int, stop: int) -> Any:
+        if isinstance(value, tuple | list):
+            return type(value)(self._sliced(item, start, stop) for item in value)
+        dim = self.token_dim(value)
+        if dim is None:
+            return value
+        leaf = self.leaves.get(id(value))
+        tile = leaf if leaf is not None else value.narrow(dim, start, stop - start)
+        self.wholes[id(tile)] = (tile, value)
+        return tile
+
+    def token_dim(self, value: Any) -> int | None:
+        """The dimension of a layer argument that runs over the tokens, None if none does: position_ids
+        ``[B, T]``, RoPE's cos and sin ``[B, T, D]``, per-layer inputs ``[B, T, ...]``, a per-position
+        scale ``[B, 1, T, 1]``, cache_position ``[T]``."""
+        if not isinstance(value, torch.Tensor):
+            return None
+        shape = tuple(value.shape)
+        if len(shape) >= 2 and shape[0] in (1, self.batch) and shape[1] == self.length:
+            return 1
+        if len(shape) >= 3 and shape[0] in (1, self.batch) and shape[1] == 1 and shape[2] == self.length:
+            return 2
+        return 0 if shape == (self.length,) else None
+
+    def whole(self, value: Any) -> Any:
+        """``value`` as the whole call has it: a tile of an argument made whole again."""
+        if isinstance(value, tuple | list):
+            return type(value)(self.whole(item) for item in value)
+        kept = self.wholes.get(id(value))
+        return kept[1] if kept is not None and kept[0] is value else value
+
+    def before(self, x: torch.Tensor, start: int, stop: int) -> tuple[list[torch.Tensor], list]:
+        """The tile ``start:stop`` of ``x`` up to the attention call: (q, k, v), and the attention module's
+        children's outputs before it, as ``(child, output)``."""
+        found: list = []
+        finished: list = []
+
+        def hook(module: nn.Module, inputs: Any, output: Any) -> None:
+            finished.append((module, output))
+
+        def attention(function: Callable) -> Callable:
+            def captured(module, query, key, value, *args, **kwargs):
+                found.append((query, key, value))
+                self.attention.update(module=module, function=function, args=args, kwargs=kwargs)
+                raise _Stop
+
+            return captured
+
+        args, kwargs = self.tile_arguments(start, stop)
+        handle = torch.nn.modules.module.register_module_forward_hook(hook)
+        try:
+            with _attention_calls(attention), _recording(None):
+                self.layer.untiled.forward(self.layer, x, *args, **kwargs)
+        except _Stop:
+            pass
+        finally:
+            handle.remove()
+        if not found:
             raise ModelError(
-                f"training.sequence_tiling: the {type(self.layer).__name__}'s parameters are partitioned by "
-                "ZeRO-3 inside it; tile the layers (longalign.patch.tile_layers) before DeepSpeed starts, so it "
-                "gathers them for the whole layer"
+                f"training.sequence_tiling = 'layer': {type(self.layer).__name__} ran without calling "
+                "transformers' attention interface, around which longalign tiles it"
             )
-        return trained
+        children = {id(child) for child in self.attention["module"].children()}
+        cached = [(module, out) for module, out in finished if id(module) in children and _is_float(out)]
+        return list(found[0]), cached
 
-    def run(
-        self, step: Callable, inputs: list[torch.Tensor], modules: list[nn.Module], *, residual: bool = False
-    ) -> tuple[torch.Tensor, ...]:
-        """``step`` over ``inputs [B, T, ...]`` tile by tile along the tokens, recomputed in backward.
+    def read_after_call(self, x: torch.Tensor, start: int, stop: int, children: list, qkv: list) -> frozenset:
+        """The names of the attention module's children whose outputs the layer reads after the attention
+        call (a gate that q_proj makes, say), given a tile ``x`` (tokens ``start:stop``), its children's
+        outputs and q, k, v. Found by running the tile's first token after the call, those outputs as
+        leaves and zeros standing in for the attention output, and walking the autograd graph of the
+        result back to them; the other outputs only lead to the call's inputs, so the second pass needs no
+        values of them. Run once per layer, on one token: its cost is nil."""
+        tokens = slice(0, 1)
 
-        With ``residual`` the first input is not passed to ``step`` but added to its first output, and that
-        output's gradient is passed through to it.
-        """
-        trained = self.trained(modules)
-        return _TiledTokens.apply(step, self, len(inputs), residual, *inputs, *trained)
+        def first_token(out: torch.Tensor) -> torch.Tensor:
+            return out[:, tokens] if tuple(out.shape[:2]) == (self.batch, stop - start) else out
 
-    def run_rebuilt(
-        self,
-        step: Callable,
-        h: torch.Tensor,
-        rebuild: Callable,
-        sources: list[torch.Tensor],
-        modules: list[nn.Module],
-    ) -> torch.Tensor:
-        """``step(h)`` tile by tile, keeping ``sources`` for backward instead of ``h``: ``rebuild(i, *tiles)``
-        makes tile ``i`` of ``h`` from them again."""
-        trained = self.trained(modules)
-        return _TiledRebuilt.apply(step, self, rebuild, len(sources), h, *sources, *trained)
+        leaves = [(module, first_token(out).detach().requires_grad_()) for module, out in children]
+        q, _, v = qkv
+        stand_in = q.new_zeros((q.shape[0], 1, q.shape[1], v.shape[-1]))
+        devices = [] if x.device.type == "cpu" else [x.device]
+        forked = torch.random.fork_rng(
+            devices=devices, enabled=self.layer.training, device_type=x.device.type
+        )
+        kept_here = torch.autograd.graph.saved_tensors_hooks(_itself, _itself)  # not offloaded, not seen
+        with torch.enable_grad(), forked, kept_here:
+            y, recorded = self.after(x[:, tokens].detach(), start, start + 1, leaves, stand_in)
+        reached = _reached_leaves([y, *recorded])
+        names = {id(child): name for name, child in self.attention["module"].named_children()}
+        return frozenset(names[id(module)] for module, leaf in leaves if id(leaf) in reached)
 
-    def new_states(self) -> dict | None:
-        """Where a part keeps each tile's random state, by tile index (None out of training)."""
-        return {} if self.layer.training else None
+    def kernel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The attention call on the whole ``q, k, v [B, heads, T, D]`` -> ``[B, T, heads, D]``."""
+        call = self.attention
+        kwargs = {name: self.whole(value) for name, value in call["kwargs"].items()}
+        kwargs["per_kv_head"] = True  # longalign's varlen attention: backward buffers one group at a time
+        args = self.whole(call["args"])
+        return call["function"](call["module"], q, k, v, *args, **kwargs)[0]
 
-    def restore(self, index: int) -> None:
-        """Set the random state that tile ``index`` of the attention branch started from."""
-        if self.branch_states is not None:
-            _set_rng(self.device, self.branch_states[index])
+    def after(
+        self, x: torch.Tensor, start: int, stop: int, cached: list, attended: torch.Tensor
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The tile ``start:stop`` through the layer, given the attention output's tile ``attended`` and
+        the children's outputs ``cached``: the layer's output, and the outputs the model records."""
+        args, kwargs = self.tile_arguments(start, stop)
+
+        calls = []
+
+        def attention(function: Callable) -> Callable:
+            def handed_back(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+                calls.append(function)
+                if len(calls) > 1:
+                    raise ModelError(
+                        f"training.sequence_tiling = 'layer': longalign cannot tile {type(self.layer).__name__}: "
+                        "it calls the attention function more than once (the tiled layer runs one call on the "
+                        "whole sequence between its tiles)"
+                    )
+                return attended, None
+
+            return handed_back
+
+        recorded: dict[str, list] = {key: [] for key in self.recorded_keys}
+        with _attention_calls(attention), _recording(recorded), _handing_back(cached):
+            out = self.layer.untiled.forward(self.layer, x, *args, **kwargs)
+        if not isinstance(out, torch.Tensor):
+            raise ModelError(
+                f"training.sequence_tiling = 'layer': {type(self.layer).__name__} returns "
+                f"{type(out).__name__}, not its hidden states alone"
+            )
+        self.recorded_names = [key for key in self.recorded_keys for _ in recorded[key]]
+        return out, [tensor for key in self.recorded_keys for tensor in recorded[key]]
+
+    def layout(self, tensor: torch.Tensor, tokens: int) -> str:
+        """How ``tensor``, recorded for a tile of ``tokens`` tokens, holds them: ``"batch"`` ([B, t, ...]) or
+        ``"flat"`` ([B x t, ...], batch-major)."""
+        if tensor.dim() >= 2 and tuple(tensor.shape[:2]) == (self.batch, tokens):
+            return "batch"
+        if tensor.shape[0] == self.batch * tokens:
+            return "flat"
+        raise ModelError(
+            f"training.sequence_tiling = 'layer': {type(self.layer).__name__} records an output of shape "
+            f"{tuple(tensor.shape)} for {tokens} tokens, which cannot be joined over the tiles"
+        )
+
+    def write(self, whole: torch.Tensor, layout: str, start: int, stop: int, tile: torch.Tensor) -> None:
+        """Put a tile's recorded output into the whole call's."""
+        if layout == "batch":
+            whole[:, start:stop] = tile
+        else:
+            rest = whole.shape[1:]
+            whole.view(self.batch, self.length, *rest)[:, start:stop] = tile.view(
+                self.batch, stop - start, *rest
+            )
+
+    def part(self, whole: torch.Tensor, layout: str, start: int, stop: int) -> torch.Tensor:
+        """Tokens ``start:stop`` of a recorded output (or its gradient) of the whole call."""
+        if layout == "batch":
+            return whole[:, start:stop]
+        return whole.view(self.batch, self.length, *whole.shape[1:])[:, start:stop].reshape(
+            -1, *whole.shape[1:]
+        )
+
+
+def _flat(values: Any) -> list:
+    """The items of nested tuples and lists, in order."""
+    if isinstance(values, tuple | list):
+        return [item for value in values for item in _flat(value)]
+    return [values]
+
+
+def _is_float(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
+
+
+class _WrappedFunctions(dict):
+    """A mapping of attention functions by name that hands each out wrapped. (A class of its own, not one
+    made per call: a class is cyclic garbage, which would keep the tiles' tensors the wrapper refers to
+    alive until the garbage collector runs.)"""
+
+    def __init__(self, local: dict, shared: dict, wrap: Callable[[Callable], Callable]) -> None:
+        super().__init__()
+        self.local, self.shared, self.wrap = local, shared, wrap
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.local or key in self.shared
+
+    def __getitem__(self, key: str) -> Callable:
+        return self.wrap(self.local[key] if key in self.local else self.shared[key])
+
+
+@contextlib.contextmanager
+def _attention_calls(wrap: Callable[[Callable], Callable]) -> Iterator[None]:
+    """Every attention function a module looks up in transformers' ``ALL_ATTENTION_FUNCTIONS`` (by
+    ``get_interface`` or by name) is handed out as ``wrap(function)``."""
+    interface = ALL_ATTENTION_FUNCTIONS
+    local = interface._local_mapping
+
+    def get_interface(name: str, default: Callable) -> Callable:
+        return wrap(local.get(name, interface._global_mapping.get(name, default)))
+
+    interface._local_mapping = _WrappedFunctions(local, interface._global_mapping, wrap)
+    interface.get_interface = get_interface
+    try:
+        yield
+    finally:
+        interface._local_mapping = local
+        del interface.get_interface
+
+
+@contextlib.contextmanager
+def _recording(collected: dict | None) -> Iterator[None]:
+    """transformers' output recording (router logits) collects into ``collected`` (None: nothing)."""
+    token = output_capturing._active_collector.set(collected)
+    try:
+        yield
+    finally:
+        output_capturing._active_collector.reset(token)
+
+
+@contextlib.contextmanager
+def _handing_back(cached: list) -> Iterator[None]:
+    """Each module of ``cached`` (``(module, output)``, in call order) hands back its outputs, in order,
+    instead of running; a module called more often than cached runs for the calls after."""
+    queues: dict[int, list] = {}
+    modules: dict[int, nn.Module] = {}
+    for module, out in cached:
+        queues.setdefault(id(module), []).append(out)
+        modules[id(module)] = module
+    own = {key: module.__dict__.get("forward") for key, module in modules.items()}
+
+    def handed_back(key: int, module: nn.Module) -> Callable:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if queues[key]:
+                out = queues[key].pop(0)
+                return out.make() if isinstance(out, _Unread) else out
+            return (own[key] or type(module).forward.__get__(module))(*args, **kwargs)
+
+        return forward
+
+    for key, module in modules.items():
+        module.forward = handed_back(key, module)
+    try:
+        yield
+    finally:
+        for key, module in modules.items():
+            if own[key] is None:
+                del module.forward
+            else:
+                module.forward = own[key]
+
+
+def _itself(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+class _Unread:
+    """A child's output that the layer reads only on the way to the attention call: not kept between the
+    passes; the second pass gets zeros of its shape (what they become is handed back by the call)."""
+
+    def __init__(self, out: torch.Tensor) -> None:
+        self.shape, self.dtype, self.device = out.shape, out.dtype, out.device
+
+    def make(self) -> torch.Tensor:
+        return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+
+
+def _reached_leaves(outputs: list[torch.Tensor]) -> set[int]:
+    """The ids of the leaf tensors that ``outputs``' autograd graph reaches."""
+    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    seen: set = set()
+    reached: set[int] = set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
+        if variable is not None:
+            reached.add(id(variable))
+        stack.extend(child for child, _ in node.next_functions)
+    return reached
+
+
+def _trained(layer: nn.Module, *modules: nn.Module) -> list[torch.Tensor]:
+    """The trained parameters of ``modules`` (base weights, or LoRA's adapters on a frozen base)."""
+    trained = [param for module in modules for param in module.parameters() if param.requires_grad]
+    if any(getattr(param, "ds_numel", 0) and not param.numel() for param in trained):
+        raise ModelError(
+            f"training.sequence_tiling: the {type(layer).__name__}'s parameters are partitioned by "
+            "ZeRO-3 inside it; tile the layers (longalign.patch.tile_layers) before DeepSpeed starts, so it "
+            "gathers them for the whole layer"
+        )
+    return list(dict.fromkeys(trained))
 
 
 def _set_rng(device: torch.device, state: tuple) -> None:
@@ -317,7 +530,7 @@ def _set_rng(device: torch.device, state: tuple) -> None:
 
 
 @contextlib.contextmanager
-def _recompute(device: torch.device, autocast: tuple[bool, torch.dtype], forked: bool):
+def _recompute(device: torch.device, autocast: tuple[bool, torch.dtype], forked: bool) -> Iterator[None]:
     """Run a recompute as the forward ran (same autocast); the random state is restored afterwards."""
     enabled, dtype = autocast
     devices = [] if device.type == "cpu" else [device]
@@ -328,6 +541,16 @@ def _recompute(device: torch.device, autocast: tuple[bool, torch.dtype], forked:
         yield
 
 
+def _drawing(call: _LayerCall, device: torch.device, key: tuple, replay: bool) -> None:
+    """Keep (forward) or set again (recompute) the random state a pass of a tile starts from."""
+    if call.states is None:
+        return
+    if replay:
+        _set_rng(device, call.states[key])
+    else:
+        call.states[key] = _rng_state(device)
+
+
 def _sum_into(sums: list[torch.Tensor | None], grads: list[torch.Tensor | None]) -> None:
     for i, grad in enumerate(grads):
         if grad is not None:
@@ -336,124 +559,276 @@ def _sum_into(sums: list[torch.Tensor | None], grads: list[torch.Tensor | None])
             sums[i] = grad if sums[i] is None else sums[i].add_(grad)
 
 
-def _param_grads(params: tuple, wanted: tuple, sums: list) -> list[torch.Tensor | None]:
-    by_param = iter(sums)
-    return [_cast(next(by_param), p.dtype) if w else None for p, w in zip(params, wanted, strict=True)]
+def _buffer(like: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    """An empty tensor shaped as ``like`` with ``length`` along ``dim``."""
+    shape = list(like.shape)
+    shape[dim] = length
+    return like.new_empty(shape)
 
 
-class _TiledTokens(torch.autograd.Function):
-    """``step`` tile by tile along dim 1 of its inputs; backward recomputes each tile and returns the trained
-    parameters' gradients summed over the tiles."""
+def _first_pass(
+    call: _LayerCall, x: torch.Tensor, replay: bool
+) -> tuple[list[torch.Tensor], dict[int, list]]:
+    """Every tile of ``x`` up to the attention call, without gradients: the whole q, k, v, and each tile's
+    children's outputs, as ``(child, output)``.
 
-    @staticmethod
-    def forward(ctx, step, tiles: _Tiles, count: int, residual: bool, *tensors: torch.Tensor):
-        inputs, ctx.params = tensors[:count], tensors[count:]
-        stepped = inputs[1:] if residual else inputs
-        ctx.step, ctx.tiles, ctx.count, ctx.residual = step, tiles, count, residual
-        device = inputs[0].device
-        ctx.autocast = _autocast_state(device.type)
-        ctx.states = tiles.new_states()
-        if residual:
-            tiles.branch_states, tiles.device = ctx.states, device
-        ctx.save_for_backward(*stepped)
-        length = inputs[0].shape[1]
-        outputs: list[torch.Tensor] = []
-        for index, start, stop in _tiles(length, tiles.count):
-            if ctx.states is not None:
-                ctx.states[index] = _rng_state(device)
-            ys = list(step(*(x[:, start:stop] for x in stepped)))
-            if residual:
-                ys[0] = inputs[0][:, start:stop] + ys[0]
-            if not outputs:  # one buffer per output, not a list of tiles and their concatenation
-                outputs = [y.new_empty((y.shape[0], length, *y.shape[2:])) for y in ys]
-            for out, y in zip(outputs, ys, strict=True):
-                out[:, start:stop] = y
-        return tuple(outputs)
-
-    @staticmethod
-    def backward(ctx, *grad_outputs: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        stepped = ctx.saved_tensors
-        wanted_inputs = ctx.needs_input_grad[4 : 4 + ctx.count]
-        wants = wanted_inputs[1:] if ctx.residual else wanted_inputs
-        wanted_params = ctx.needs_input_grad[4 + ctx.count :]
-        trained = [param for param, wanted in zip(ctx.params, wanted_params, strict=True) if wanted]
-        grads_in = [torch.empty_like(x) if wanted else None for x, wanted in zip(stepped, wants, strict=True)]
-        sums: list[torch.Tensor | None] = [None] * len(trained)
-        device = stepped[0].device
-        with _recompute(device, ctx.autocast, ctx.states is not None):
-            for index, start, stop in _tiles(stepped[0].shape[1], ctx.tiles.count):
-                if ctx.states is not None:
-                    _set_rng(device, ctx.states[index])
-                tiles = [
-                    x[:, start:stop].detach().requires_grad_(wanted)
-                    for x, wanted in zip(stepped, wants, strict=True)
+    The outputs the layer reads after the call (:meth:`_LayerCall.read_after_call`) are written into one
+    tensor over all tokens and handed out as its tiles: memory is that whole tensor, whichever tiles run
+    (the memory simulation runs only the distinct ones). The others are not kept (:class:`_Unread`).
+    """
+    qkv: list[torch.Tensor] = []
+    wholes: list[torch.Tensor | None] = []
+    cached: dict[int, list] = {}
+    with torch.no_grad():
+        for index, start, stop in _tiles(call.length, call.count):
+            _drawing(call, x.device, ("before", index), replay)
+            tile_qkv, children = call.before(x[:, start:stop], start, stop)
+            if not qkv:
+                if getattr(call.layer, "tiling_read_children", None) is None:
+                    call.layer.tiling_read_children = call.read_after_call(
+                        x[:, start:stop], start, stop, children, tile_qkv
+                    )
+                read = call.layer.tiling_read_children
+                names = {id(child): name for name, child in call.attention["module"].named_children()}
+                qkv = [_buffer(t, -2, call.length) for t in tile_qkv]
+                wholes = [
+                    _buffer(out, 1, call.length)
+                    if names[id(module)] in read and tuple(out.shape[:2]) == (call.batch, stop - start)
+                    else None
+                    for module, out in children
                 ]
-                with torch.enable_grad():
-                    ys = ctx.step(*tiles)
-                differentiated = [tile for tile, wanted in zip(tiles, wants, strict=True) if wanted] + trained
-                pairs = [
-                    (y, g[:, start:stop]) for y, g in zip(ys, grad_outputs, strict=True) if y.requires_grad
-                ]
-                grads = torch.autograd.grad(
-                    [y for y, _ in pairs], differentiated, [g for _, g in pairs], allow_unused=True
-                )
-                by_input = iter(grads)
-                for grad_in, wanted in zip(grads_in, wants, strict=True):
-                    if wanted:
-                        grad = next(by_input)
-                        grad_in[:, start:stop] = 0 if grad is None else grad
-                _sum_into(sums, list(by_input))
-        # The residual input's gradient is its sum's: passed on as it came, no copy.
-        passed = [grad_outputs[0] if wanted_inputs[0] else None] if ctx.residual else []
-        return None, None, None, None, *passed, *grads_in, *_param_grads(ctx.params, wanted_params, sums)
+                kept = [names[id(module)] in read for module, _ in children]
+            for whole, tile in zip(qkv, tile_qkv, strict=True):
+                whole[..., start:stop, :] = tile
+            cached[index] = []
+            for (module, out), whole, keep in zip(children, wholes, kept, strict=True):
+                if whole is not None:
+                    whole[:, start:stop] = out
+                    out = whole[:, start:stop]
+                elif not keep:
+                    out = _Unread(out)
+                cached[index].append((module, out))
+    return qkv, cached
 
 
-class _TiledRebuilt(torch.autograd.Function):
-    """``step(h)`` tile by tile; backward rebuilds each tile of ``h`` from the kept sources, recomputes the
-    tile, and returns ``h``'s gradient and the trained parameters' (summed over the tiles)."""
+class _TiledLayer(torch.autograd.Function):
+    """A decoder layer over ``x [B, T, H]``: its own forward tile by tile around one attention call on the
+    whole sequence; keeps ``x`` alone, and backward recomputes each part once.
+
+    Outputs the layer's output and the outputs the model records inside it (router logits), each joined
+    over the tiles in token order.
+    """
 
     @staticmethod
-    def forward(ctx, step, tiles: _Tiles, rebuild, count: int, h: torch.Tensor, *tensors: torch.Tensor):
-        sources, ctx.params = tensors[:count], tensors[count:]
-        ctx.step, ctx.tiles, ctx.rebuild, ctx.count = step, tiles, rebuild, count
-        ctx.autocast = _autocast_state(h.device.type)
-        ctx.states = tiles.new_states()
-        ctx.save_for_backward(*sources)
-        out = h  # each tile of the output replaces its tile of h, which nothing keeps: no second buffer
-        for index, start, stop in _tiles(h.shape[1], tiles.count):
-            if ctx.states is not None:
-                ctx.states[index] = _rng_state(h.device)
-            (y,) = step(h[:, start:stop])
+    def forward(ctx, call: _LayerCall, x: torch.Tensor, *tensors: torch.Tensor):
+        ctx.call, ctx.params = call, tensors[len(call.graded) :]
+        ctx.autocast = _autocast_state(x.device.type)
+        ctx.save_for_backward(x)
+        qkv, cached = _first_pass(call, x, replay=False)
+        _drawing(call, x.device, ("kernel",), False)
+        attended = call.kernel(*qkv)
+        del qkv
+        out = x.new_empty(x.shape)
+        recorded: list[torch.Tensor] = []
+        for index, start, stop in _tiles(call.length, call.count):
+            _drawing(call, x.device, ("after", index), False)
+            y, tile_recorded = call.after(
+                x[:, start:stop], start, stop, cached.pop(index), attended[:, start:stop]
+            )
             if y.dtype != out.dtype:
-                out = y.new_empty((y.shape[0], h.shape[1], *y.shape[2:]))
+                out = out.to(y.dtype)
             out[:, start:stop] = y
-        if out is h:
-            ctx.mark_dirty(h)
+            if not recorded:
+                call.layouts = [call.layout(t, stop - start) for t in tile_recorded]
+                recorded = [
+                    _buffer(
+                        t,
+                        1 if layout == "batch" else 0,
+                        call.length * (1 if layout == "batch" else call.batch),
+                    )
+                    for t, layout in zip(tile_recorded, call.layouts, strict=True)
+                ]
+            for whole, tile, layout in zip(recorded, tile_recorded, call.layouts, strict=True):
+                call.write(whole, layout, start, stop, tile)
+        ctx.mark_non_differentiable(*(t for t in recorded if not t.is_floating_point()))
+        return (out, *recorded)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor, *grad_recorded: torch.Tensor | None):
+        call, params = ctx.call, ctx.params
+        (x,) = ctx.saved_tensors
+        wants_x = ctx.needs_input_grad[1]
+        graded = len(call.graded)
+        wanted = ctx.needs_input_grad[2 + graded :]
+        trained = [param for param, want in zip(params, wanted, strict=True) if want]
+        sums: list[torch.Tensor | None] = [None] * len(trained)
+        # The hidden states' gradient and the other per-token inputs', each tile written by the second pass
+        # and added to by the first. The hidden states' is written over the incoming gradient, whose tile
+        # the second pass has read just before (see _reusable).
+        grad_x = (grad_out if _reusable(grad_out, x) else torch.empty_like(x)) if wants_x else None
+        grad_inputs = [grad_x, *(torch.zeros_like(g) for g in call.graded)]
+        device = x.device
+
+        def tile_leaves(x: torch.Tensor, start: int, stop: int) -> list[torch.Tensor]:
+            """This tile's leaves of the per-token inputs (the hidden states first), for the layer's passes."""
+            leaves = [x[:, start:stop].detach().requires_grad_(wants_x)]
+            for whole in call.graded:
+                dim = call.token_dim(whole)
+                leaves.append(whole.narrow(dim, start, stop - start).detach().requires_grad_())
+            call.leaves = {id(whole): leaf for whole, leaf in zip(call.graded, leaves[1:], strict=True)}
+            return leaves
+
+        def add_inputs(grads: list, start: int, stop: int, first: bool) -> None:
+            for index, (grad_in, grad) in enumerate(zip(grad_inputs, grads, strict=True)):
+                if grad_in is None:
+                    continue
+                dim = 1 if index == 0 else call.token_dim(call.graded[index - 1])
+                tile = grad_in.narrow(dim, start, stop - start)
+                if first and index == 0:
+                    tile.copy_(grad) if grad is not None else tile.zero_()
+                elif grad is not None:
+                    tile.add_(grad)
+
+        def differentiated(leaves: list) -> list[torch.Tensor]:
+            return [leaf for leaf, grad_in in zip(leaves, grad_inputs, strict=True) if grad_in is not None]
+
+        with _recompute(device, ctx.autocast, call.states is not None):
+            # 1. q, k, v again, and the children's outputs the layer reads after the call.
+            qkv, cached = _first_pass(call, x, replay=True)
+            qkv = [t.requires_grad_() for t in qkv]
+            _drawing(call, device, ("kernel",), True)
+            with torch.enable_grad():
+                attended = call.kernel(*qkv)
+            # 2. Each tile after the call: the gradients of its inputs, the attention output, the read
+            #    children's outputs and the parameters.
+            grad_attended = torch.zeros_like(attended)
+            grad_cached: dict[int, list] = {}
+            for index, start, stop in _tiles(call.length, call.count):
+                _drawing(call, device, ("after", index), True)
+                leaves = tile_leaves(x, start, stop)
+                attended_tile = attended[:, start:stop].detach().requires_grad_()
+                handed = [
+                    (module, out if isinstance(out, _Unread) else out.detach().requires_grad_())
+                    for module, out in cached.pop(index)
+                ]
+                read = [out for _, out in handed if not isinstance(out, _Unread)]
+                with torch.enable_grad():
+                    y, tile_recorded = call.after(leaves[0], start, stop, handed, attended_tile)
+                pairs = [(y, grad_out[:, start:stop])] + [
+                    (t, call.part(g, layout, start, stop))
+                    for t, g, layout in zip(tile_recorded, grad_recorded, call.layouts, strict=True)
+                    if g is not None and t.requires_grad
+                ]
+                inputs = [attended_tile, *read, *differentiated(leaves), *trained]
+                grads = torch.autograd.grad(
+                    [t for t, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True
+                )
+                del pairs, y, tile_recorded
+                grad_attended[:, start:stop] = 0 if grads[0] is None else grads[0]
+                by_read = iter(grads[1 : 1 + len(read)])
+                grad_cached[index] = [
+                    None if isinstance(out, _Unread) else next(by_read) for _, out in handed
+                ]
+                rest = _spread(grads[1 + len(read) :], grad_inputs)
+                add_inputs(rest[0], start, stop, first=True)
+                _sum_into(sums, rest[1])
+            del leaves, handed, read, cached, inputs, attended_tile  # views of x among them
+            # 3. The attention call's backward: q, k, v (and a sink's or other parameter's the kernel reads).
+            #    The layer's input is let go meanwhile: offloaded, it comes back from host memory for step 4.
+            x = None
+            grads = torch.autograd.grad(attended, [*qkv, *trained], grad_attended, allow_unused=True)
+            grad_qkv = grads[:3]
+            _sum_into(sums, list(grads[3:]))
+            del attended, grad_attended, qkv, grads
+            (x,) = ctx.saved_tensors
+            # 4. Each tile before the call again, with gradients, into its inputs and the parameters.
+            for index, start, stop in _tiles(call.length, call.count):
+                _drawing(call, device, ("before", index), True)
+                leaves = tile_leaves(x, start, stop)
+                with torch.enable_grad():
+                    tile_qkv, children = call.before(leaves[0], start, stop)
+                pairs = [(t, g[..., start:stop, :]) for t, g in zip(tile_qkv, grad_qkv, strict=True)]
+                pairs += [
+                    (out, g)
+                    for (_, out), g in zip(children, grad_cached.pop(index), strict=True)
+                    if g is not None
+                ]
+                pairs = [(t, g) for t, g in pairs if t.requires_grad]
+                if not pairs:
+                    continue
+                inputs = [*differentiated(leaves), *trained]
+                grads = torch.autograd.grad(
+                    [t for t, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True
+                )
+                rest = _spread(grads, grad_inputs)
+                add_inputs(rest[0], start, stop, first=False)
+                _sum_into(sums, rest[1])
+            call.leaves = {}
+        by_param = iter(sums)
+        param_grads = [
+            _cast(next(by_param), p.dtype) if w else None for p, w in zip(params, wanted, strict=True)
+        ]
+        wanted_graded = ctx.needs_input_grad[2 : 2 + graded]
+        graded_grads = [g if w else None for g, w in zip(grad_inputs[1:], wanted_graded, strict=True)]
+        return None, grad_inputs[0], *graded_grads, *param_grads
+
+
+def _reusable(grad_out: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether the layer's incoming gradient can hold its input's gradient: a plain tensor of the input's
+    shape and dtype (not an expanded one, as ``out.sum().backward()`` hands in). Its tile ``i`` is read once,
+    by tile ``i``'s second pass, and then holds the input's gradient for that tile: one ``[T, H]`` tensor
+    fewer at the attention's backward, the layer's peak."""
+    return (
+        grad_out.shape == x.shape
+        and grad_out.dtype == x.dtype
+        and grad_out.is_contiguous()
+        and not grad_out.requires_grad
+    )
+
+
+def _spread(grads: tuple, grad_inputs: list) -> tuple[list, list]:
+    """``grads`` of (the differentiated inputs, then the parameters) -> (one per input, None where not
+    differentiated; the parameters')."""
+    by_grad = iter(grads)
+    per_input = [next(by_grad) if grad_in is not None else None for grad_in in grad_inputs]
+    return per_input, list(by_grad)
+
+
+class _TiledNorm(torch.autograd.Function):
+    """A norm over ``x [B, T, H]`` tile by tile; backward recomputes each tile."""
+
+    @staticmethod
+    def forward(ctx, norm: nn.Module, count: int, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        ctx.norm, ctx.count, ctx.params = norm, count, params
+        ctx.autocast = _autocast_state(x.device.type)
+        ctx.save_for_backward(x)
+        out = None
+        for _, start, stop in _tiles(x.shape[1], count):
+            y = type(norm).forward(norm, x[:, start:stop])
+            if out is None:
+                out = _buffer(y, 1, x.shape[1])
+            out[:, start:stop] = y
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        sources = ctx.saved_tensors
-        wants_h = ctx.needs_input_grad[4]
-        wanted_params = ctx.needs_input_grad[5 + ctx.count :]
-        trained = [param for param, wanted in zip(ctx.params, wanted_params, strict=True) if wanted]
-        grad_h = torch.empty_like(grad_out) if wants_h else None
+        (x,) = ctx.saved_tensors
+        wants_x, wanted = ctx.needs_input_grad[2], ctx.needs_input_grad[3:]
+        trained = [param for param, want in zip(ctx.params, wanted, strict=True) if want]
+        grad_x = torch.empty_like(x) if wants_x else None
         sums: list[torch.Tensor | None] = [None] * len(trained)
-        device = grad_out.device
-        with _recompute(device, ctx.autocast, ctx.states is not None):
-            for index, start, stop in _tiles(grad_out.shape[1], ctx.tiles.count):
-                with torch.no_grad():
-                    h = ctx.rebuild(index, *(x[:, start:stop] for x in sources))
-                if ctx.states is not None:
-                    _set_rng(device, ctx.states[index])
-                h.requires_grad_(wants_h)
+        with _recompute(x.device, ctx.autocast, False):
+            for _, start, stop in _tiles(x.shape[1], ctx.count):
+                tile = x[:, start:stop].detach().requires_grad_(wants_x)
                 with torch.enable_grad():
-                    (y,) = ctx.step(h)
-                grads = torch.autograd.grad(
-                    y, ([h] if wants_h else []) + trained, grad_out[:, start:stop], allow_unused=True
-                )
-                if wants_h:
-                    grad_h[:, start:stop] = grads[0]
-                _sum_into(sums, list(grads[wants_h:]))
-        nones = [None] * ctx.count
-        return None, None, None, None, grad_h, *nones, *_param_grads(ctx.params, wanted_params, sums)
+                    y = type(ctx.norm).forward(ctx.norm, tile)
+                inputs = [*([tile] if wants_x else []), *trained]
+                grads = torch.autograd.grad(y, inputs, grad_out[:, start:stop], allow_unused=True)
+                if wants_x:
+                    grad_x[:, start:stop] = grads[0]
+                _sum_into(sums, list(grads[1:] if wants_x else grads))
+        by_param = iter(sums)
+        params = [
+            _cast(next(by_param), p.dtype) if w else None for p, w in zip(ctx.params, wanted, strict=True)
+        ]
+        return None, None, grad_x, *params

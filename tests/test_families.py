@@ -8,7 +8,9 @@ and the gradients of the summed next-token loss. A family it refuses must be ref
 that is neither (accepted and different, or accepted and crashing) fails. Each family that packs exactly
 also runs with its MLPs tiled (``training.sequence_tiling = "mlp"``, tiles of 7 tokens) against the same
 model untiled: the logits, the gradients, and the router logits with a gradient through them where the
-family records some (mixtures of experts); or its decision refuses the tiling in one line.
+family records some (mixtures of experts); or its decision refuses the tiling in one line. Each exact
+family's layers are also tiled (``sequence_tiling = "layer"``) on the same packed row: the same logits and
+gradients as untiled, or refused in one line.
 
 The families run in this one process, float64, on tiny models. ``docs/training/families.md`` holds the
 table of outcomes; the last test checks that it is this run's (``LONGALIGN_WRITE_FAMILIES=1`` rewrites it).
@@ -32,6 +34,7 @@ from transformers import AutoConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 import longalign.patch
+from longalign.errors import ModelError
 from longalign.patch import families
 
 TYPES = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
@@ -41,6 +44,7 @@ LENGTHS = (45, 70, 29)
 # the row's start, puts them 1e-4 to 1 apart.
 LOGITS_BOUND = 1e-6
 GRADS_BOUND = 1e-5
+LAYER_TILE_TOKENS = 40  # the tiled layer's tiles: 40, 40, 40 and 24 of the 144 tokens
 TABLE = ROOT / "docs" / "training" / "families.md"
 
 
@@ -55,6 +59,7 @@ class Outcome:
     features: tuple[str, ...] = ()
     tiled: str = ""  # with sequence_tiling = "mlp", of an exact family: "exact", "refused", "wrong", "crash"
     tiled_detail: str = ""
+    tiled_layer: str = ""  # the tiled layer: "exact: ...", "refused: ...", or a failure (exact families only)
 
 
 def relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -65,9 +70,9 @@ def _loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[0, :-1].double(), ids[0, 1:], reduction="sum")
 
 
-def packed_against_alone(model: torch.nn.Module) -> tuple[float, float]:
+def packed_against_alone(model: torch.nn.Module) -> tuple[float, float, str]:
     """(logits error, gradients error), norm-relative (the gradients as one vector): ``model`` packed (patched copy) against each
-    sample alone through ``model`` itself (eager)."""
+    sample alone through ``model`` itself (eager); and the tiled layer's outcome (:func:`layer_tiled_against_untiled`)."""
     packed_model = longalign.patch.apply(copy.deepcopy(model), backend="sdpa_segments")
     ids = torch.randint(FIRST_SAFE_ID, VOCAB, (1, sum(LENGTHS)), generator=torch.Generator().manual_seed(1))
     ends = torch.tensor(LENGTHS).cumsum(0).tolist()
@@ -82,7 +87,12 @@ def packed_against_alone(model: torch.nn.Module) -> tuple[float, float]:
         "max_length_k": max(LENGTHS),
     }
     packed = packed_model(**batch, use_cache=False).logits
-    sum(_loss(packed[:, part], ids[:, part]) for part in parts).backward()
+
+    def packed_loss(logits: torch.Tensor) -> torch.Tensor:
+        return sum(_loss(logits[:, part], ids[:, part]) for part in parts)
+
+    packed_loss(packed).backward()
+    tiled = layer_tiled_against_untiled(model, packed_model, batch, packed, packed_loss)
     alone = [model(input_ids=ids[:, part], use_cache=False).logits for part in parts]
     sum(_loss(logits, ids[:, part]) for logits, part in zip(alone, parts, strict=True)).backward()
     logits_error = relative(packed.double(), torch.cat(alone, dim=1).double())
@@ -92,20 +102,55 @@ def packed_against_alone(model: torch.nn.Module) -> tuple[float, float]:
         torch.cat([actual[name].grad.double().flatten() for name in names]),
         torch.cat([model.get_parameter(name).grad.double().flatten() for name in names]),
     )
-    return logits_error, grads_error
+    return logits_error, grads_error, tiled
 
 
-TILE_TOKENS = 7  # 2 tiles (7 and 6) of the 13 tokens the tiled MLPs run on
-TILED_LENGTH = 13
+def layer_tiled_against_untiled(
+    model: torch.nn.Module, packed_model: torch.nn.Module, batch: dict, packed: torch.Tensor, loss
+) -> str:
+    """The family's decoder layers tiled (``tile_layers``, 4 tiles of the 144 tokens, their edges inside the
+    samples) on the packed batch against ``packed_model`` untiled: "exact", "refused: ..." (by the
+    decision, before any data), "refused at its first forward: ..." (a layer that calls attention twice),
+    "wrong: ..." or "crash: ..."."""
+    try:
+        tiled_model = longalign.patch.tile_layers(
+            longalign.patch.apply(copy.deepcopy(model), backend="sdpa_segments"),
+            tile_tokens=LAYER_TILE_TOKENS,
+        )
+    except ModelError as err:
+        return f"refused: {err}"
+    try:
+        tiled = tiled_model(**batch, use_cache=False).logits
+        loss(tiled).backward()
+    except ModelError as err:  # what the layer's structure shows only when it runs
+        return f"refused at its first forward: {err}"
+    except Exception as err:  # noqa: BLE001 - a family the tiled layer accepts and fails on is the finding
+        first = (str(err).strip().splitlines() or [""])[0]
+        return f"crash: {type(err).__name__}: {first}"
+    names = [name for name, p in packed_model.named_parameters() if p.grad is not None]
+    actual = dict(tiled_model.named_parameters())
+    logits_error = relative(tiled.double(), packed.double())
+    grads_error = relative(
+        torch.cat([actual[name].grad.double().flatten() for name in names]),
+        torch.cat([packed_model.get_parameter(name).grad.double().flatten() for name in names]),
+    )
+    exact = logits_error <= LOGITS_BOUND and grads_error <= GRADS_BOUND
+    return f"{'exact' if exact else 'wrong'}: logits {logits_error:.1e}, gradients {grads_error:.1e}"
 
 
-def tiled_against_untiled(model: torch.nn.Module) -> tuple[float, float, float]:
+MLP_TILE_TOKENS = 7  # 2 tiles (7 and 6) of the 13 tokens the tiled MLPs run on
+MLP_TILED_LENGTH = 13
+
+
+def mlp_tiled_against_untiled(model: torch.nn.Module) -> tuple[float, float, float]:
     """(logits, gradients, router logits) errors, norm-relative: ``model`` with its MLPs tiled (a copy)
     against ``model`` itself, on one row of 13 tokens. The loss adds a random weighting of the router
     logits, where the family records them, so that their gradients reach the routers through the tiles."""
     model.zero_grad(set_to_none=True)  # the gradients of the packed comparison
-    tiled = longalign.patch.tile_mlp(copy.deepcopy(model), tile_tokens=TILE_TOKENS)
-    ids = torch.randint(FIRST_SAFE_ID, VOCAB, (1, TILED_LENGTH), generator=torch.Generator().manual_seed(3))
+    tiled = longalign.patch.tile_mlp(copy.deepcopy(model), tile_tokens=MLP_TILE_TOKENS)
+    ids = torch.randint(
+        FIRST_SAFE_ID, VOCAB, (1, MLP_TILED_LENGTH), generator=torch.Generator().manual_seed(3)
+    )
     routers = "router_logits" in (getattr(type(model), "_can_record_outputs", None) or {})
 
     def step(which: torch.nn.Module) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor]:
@@ -155,12 +200,18 @@ def _outcome(model_type: str) -> Outcome:
     torch.manual_seed(0)
     try:
         model = build(config).train()  # dropout is off in the tiny configs; train() as training runs
-        logits_error, grads_error = packed_against_alone(model)
+        logits_error, grads_error, tiled_layer = packed_against_alone(model)
     except Exception as err:  # noqa: BLE001 - an accepted family that fails is the finding
         first = (str(err).strip().splitlines() or [""])[0]
         return Outcome(model_type, decision.architecture, "crash", f"{type(err).__name__}: {first}", features)
     status = "exact" if logits_error <= LOGITS_BOUND and grads_error <= GRADS_BOUND else "wrong"
-    tiled, tiled_detail = _tiled_outcome(model, decision.features.mlp_tiling_problem)
+    tiled, tiled_detail = _tiled_outcome(model, decision.mlp_tiling)
+    if tiled_layer.startswith("refused: ") and (
+        decision.layer_tiling is None or decision.layer_tiling not in tiled_layer
+    ):
+        tiled_layer = (
+            f"crash: tile_layers refused what the decision did not ({decision.layer_tiling}): {tiled_layer}"
+        )
     return Outcome(
         model_type,
         decision.architecture,
@@ -169,6 +220,7 @@ def _outcome(model_type: str) -> Outcome:
         features,
         tiled,
         tiled_detail,
+        tiled_layer,
     )
 
 
@@ -176,7 +228,7 @@ def _tiled_outcome(model: torch.nn.Module, problem: str | None) -> tuple[str, st
     if problem:
         return "refused", problem
     try:
-        errors = tiled_against_untiled(model)
+        errors = mlp_tiled_against_untiled(model)
     except Exception as err:  # noqa: BLE001 - a family whose MLP tiling the decision accepts and that fails
         first = (str(err).strip().splitlines() or [""])[0]
         return "crash", f"{type(err).__name__}: {first}"
@@ -219,6 +271,22 @@ def test_every_exact_family_s_mlps_tile_exactly_or_are_refused_in_one_line():
     manual = (ROOT / "docs" / "training" / "long-context.md").read_text()
     refused = [found.model_type for found in exact if found.tiled == "refused"]
     assert all(f"`{model_type}`" in manual for model_type in refused), refused  # the manual names each
+
+
+def test_every_exact_family_s_tiled_layer_is_the_untiled_one_or_refused_in_one_line():
+    """``sequence_tiling = "layer"`` on every family that packs exactly: the same logits and gradients as the
+    untiled packed model, or a one-line refusal that the decision gave before any data (``Decision.layer_tiling``)."""
+    found = {model_type: outcome(model_type) for model_type in TYPES}
+    exact = {model_type: tiled.tiled_layer for model_type, tiled in found.items() if tiled.status == "exact"}
+    failed = {
+        model_type: tiled for model_type, tiled in exact.items() if not tiled.startswith(("exact", "refused"))
+    }
+    assert not failed, failed
+    refused = [tiled for tiled in exact.values() if tiled.startswith("refused")]
+    assert all("\n" not in tiled and "longalign cannot tile" in tiled for tiled in refused)
+    named = ["llama", "qwen3_moe", "glm4_moe", "gpt_oss", "gemma3_text", "gemma4_text", "deepseek_v3", "phi3"]
+    named += ["olmo2", "smollm3", "ministral", "granite", "cohere2", "exaone4", "seed_oss", "llama4_text"]
+    assert {name: exact[name].split(":")[0] for name in named} == dict.fromkeys(named, "exact")
 
 
 def table() -> str:
@@ -347,19 +415,35 @@ def test_one_sgd_step_of_the_run_equals_the_family_s_own_model_on_each_sample_al
     assert error < UPDATE_BOUND, f"{model_type}: the update is {error:.1e} off"
 
 
+# Sequence tiling under activation checkpointing with its inputs offloaded, by layer: a dense family, a
+# mixture of experts with its router loss, sandwich norms, attention sinks (with a sliding window); by MLP:
+# the mixture of experts, its routers trained through the tiles.
+TILED_STEPS = [
+    ("layer", "llama"),
+    ("layer", "qwen3_moe"),
+    ("layer", "gemma3_text"),
+    ("layer", "gpt_oss"),
+    ("mlp", "qwen3_moe"),
+]
+
+
 @pytest.mark.integration
-def test_one_sgd_step_with_tiled_mlps_on_a_mixture_of_experts_is_the_untiled_step(tmp_path):
-    """Qwen3-MoE with its router loss and ``sequence_tiling = "mlp"`` in tiles of 16 of the pack's 144
-    tokens: the update is the family's own model's on each sample alone, router loss included."""
-    before, samples = run_one_step(
-        "qwen3_moe", tmp_path, training="sequence_tiling = 'mlp'\nmlp_tile_tokens = 16"
+@pytest.mark.parametrize("tiling, model_type", TILED_STEPS)
+def test_one_sgd_step_with_tiling_checkpointed_and_offloaded_is_the_family_s_own(
+    tiling, model_type, tmp_path
+):
+    settings = (
+        f"sequence_tiling = '{tiling}'\nmlp_tile_tokens = {LAYER_TILE_TOKENS if tiling == 'layer' else 16}\n"
     )
+    settings += "activation_checkpointing = true\noffload_activations = true\n"
+    before, samples = run_one_step(model_type, tmp_path, training=settings)
     after = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run", config=before.config)
     got = {name: p - before.get_parameter(name) for name, p in after.named_parameters()}
     want = expected_update(before.train(), samples)
-    assert any(".gate." in name and want[name].abs().max() > 0 for name in want)  # the routers trained
+    if model_type == "qwen3_moe":
+        assert any(".gate." in name and want[name].abs().max() > 0 for name in want)  # the routers trained
     error = relative_update(got, want)
-    assert error < UPDATE_BOUND, f"the tiled step's update is {error:.1e} off"
+    assert error < UPDATE_BOUND, f"{tiling} tiling, {model_type}: the update is {error:.1e} off"
 
 
 @pytest.mark.integration

@@ -1,27 +1,33 @@
-"""The sequence-tiled decoder layer: exact for every family, token-wise tensors one tile at a time.
+"""The sequence-tiled decoder layer: exact, token-wise tensors one tile at a time, each part recomputed once.
 
-The fast tests check each family's tiled model against the untiled one in float64 (output and every
-gradient, packed samples; with checkpointing, offloaded inputs and LoRA adapters spread over them), that the projections run tile by tile in forward and in backward's recompute,
-what a tiled layer keeps for backward, LoRA dropout drawn again identically in the recompute, generation
-with a KV cache, and the refusals; then one optimizer step of the real trainer with the layers tiled against
-the same step without (Llama; GLM-4 and Qwen3 in the slow tier). The
-multi-rank cases (each pack split over 2 ranks; ZeRO-3 with uneven tile counts; flash-attn under sequence
-parallelism 2) share the launches of ``test_tiled_mlp.py`` and ``test_attention_kernels.py``.
-"""
+The fast tests check tiled models against untiled ones in float64 (output and every gradient, packed
+samples; with checkpointing, offloaded inputs and LoRA adapters spread over the families), that the
+projections and the MLP run tile by tile, in forward and once in backward (the q/k/v projections once
+more), what a tiled layer keeps for backward (its input), LoRA dropout drawn again identically in the
+recompute, a mixture of experts' router logits recorded once per layer, generation with a KV cache, and
+the refusals; then one optimizer step of the real trainer with the layers tiled against the same step
+without (Llama; GLM-4 and Qwen3 in the slow tier). Every family of the registry is tiled in
+``test_families.py``. The multi-rank cases (each pack split over 2 ranks; ZeRO-3 with uneven tile counts;
+flash-attn under sequence parallelism 2) share the launches of ``test_tiled_mlp.py`` and
+``test_attention_kernels.py``."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 from conftest import FLOAT64_BOUND, TINY, assert_relatively_close, relative_error, tiny_model
 from tiled_mlp_run import TILE_TOKENS, first_mlp, one_step, parse, reference_step
 from tiled_mlp_run import model as build
-from transformers import DynamicCache, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from tiny_configs import build as build_family
+from tiny_configs import tiny_config
+from transformers import DynamicCache, Qwen3MoeConfig
 
 import longalign.patch
 from longalign.errors import ModelError
-from longalign.patch import tiled_layer
-from longalign.patch.tiled_mlp import _bounds, tile_count
+from longalign.patch import families, tiled_layer
+from longalign.patch.tiled_mlp import _tiles, tile_count
 
 # Three samples in one row: positions restart, so RoPE and attention see the packing.
 POSITIONS = torch.tensor([list(range(20)) + list(range(6)) + list(range(11))])
@@ -59,25 +65,47 @@ def test_every_family_s_tiled_layers_give_the_untiled_output_and_gradients(varia
         if "checkpointing" in switches:
             model.activation_checkpointing_enable()
         model.train()
-    seen: list[int] = []
+    seen: dict[str, list[int]] = {"q_proj": [], "o_proj": [], "mlp": []}
     attention = next(m for name, m in tiled.named_modules() if name.endswith("layers.0.self_attn"))
-    for module in (attention.q_proj, attention.o_proj, first_mlp(tiled)):
-        module.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[-2]))
+    # The projections' products, counted where they run (a tile's second pass hands q_proj's output back).
+    weights = {
+        id(getattr(module, "base_layer", module).weight): name
+        for name, module in (("q_proj", attention.q_proj), ("o_proj", attention.o_proj))
+    }
+    linear = torch.nn.functional.linear
 
-    want, got = loss_and_gradients(dense), loss_and_gradients(tiled)
+    def counted(x, weight, *args, **kwargs):
+        if id(weight) in weights:
+            seen[weights[id(weight)]].append(x.shape[-2])
+        return linear(x, weight, *args, **kwargs)
+
+    first_mlp(tiled).register_forward_pre_hook(lambda module, args: seen["mlp"].append(args[0].shape[-2]))
+
+    want = loss_and_gradients(dense)
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr(torch.nn.functional, "linear", counted)
+        got = loss_and_gradients(tiled)
 
     assert_relatively_close(got[0], want[0], FLOAT64_BOUND)
     assert_relatively_close(got[1:], want[1:], FLOAT64_BOUND)
     tiles = tile_count(IDS.numel(), TINY["hidden_size"], TILE_TOKENS)
-    # forward, (checkpointing's recompute,) backward's recompute; o_proj once more, rebuilding the MLP's input
-    runs = 3 if "checkpointing" in switches else 2
-    assert len(seen) == (3 * runs + 1) * tiles and max(seen) <= TILE_TOKENS
+    # With checkpointing or without, each tile's o-projection and MLP run in forward and once in backward's
+    # recompute; its q/k/v projections once more, for q, k and v before the kernel's backward. The layer's
+    # first call runs one token after the call once more, to find which projections' outputs it reads there.
+    assert {name: len(tokens) for name, tokens in seen.items()} == {
+        "q_proj": 3 * tiles,
+        "o_proj": 2 * tiles + 1,
+        "mlp": 2 * tiles + 1,
+    }
+    assert max(max(tokens) for tokens in seen.values()) <= TILE_TOKENS
+    assert min(seen["mlp"]) == 1  # that token
 
 
 def test_the_kernel_runs_once_per_key_value_head_and_every_norm_in_tiles(monkeypatch):
     """The attention kernel gets one key/value head and its query heads per call (2 and 1 of TINY's 4 and 2):
-    each group's forward runs once, and backward calls the kernel's backward on what that forward kept (its
-    output and log-sum-exp), running no forward again; every norm, the final one's included, sees one tile.
+    each group's forward runs once per pass (forward, and the layer's recompute), and backward calls the
+    kernel's backward on what that forward kept (its output and log-sum-exp); every norm, the final one's
+    included, sees one tile.
     Output and gradients as untiled (float64); the trainer's step with these layers is checked below."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
@@ -111,14 +139,17 @@ def test_the_kernel_runs_once_per_key_value_head_and_every_norm_in_tiles(monkeyp
 
     assert_relatively_close(got, want, FLOAT64_BOUND)
     groups, layers = TINY["num_key_value_heads"], TINY["num_hidden_layers"]
-    # Forward: each layer's groups once; backward: each group's kernel backward, last layer first.
-    assert calls == [("forward", 2, 1, 1)] * (groups * layers) + [("backward", 2, 1, 1)] * (groups * layers)
+    # Forward: each layer's groups once. Backward, last layer first: the layer's recompute (it keeps its
+    # input alone, as checkpointing does) runs each group's forward again, then each group's kernel backward
+    # on what that forward kept: never a forward inside the kernel's backward.
+    recompute = [("forward", 2, 1, 1)] * groups + [("backward", 2, 1, 1)] * groups
+    assert calls == [("forward", 2, 1, 1)] * (groups * layers) + recompute * layers
     assert norm_tokens and max(norm_tokens) <= TILE_TOKENS
 
 
-def test_a_tiled_layer_keeps_for_backward_only_whole_tensors_of_the_residual_and_attention():
+def test_a_tiled_layer_keeps_its_input_alone_for_backward():
     """Untiled, backward needs the norms' outputs and the MLP's ``[tokens, intermediate]`` tensors; tiled, the
-    layer keeps its input, RoPE's angles and what attention keeps (q, k, v, its output)."""
+    layer keeps its input and recomputes the rest (q, k, v and the attention output included)."""
     tokens, hidden = 40, TINY["hidden_size"]
     x = torch.randn(1, tokens, hidden, dtype=torch.float64, requires_grad=True)
     positions = torch.arange(tokens)[None]
@@ -141,7 +172,7 @@ def test_a_tiled_layer_keeps_for_backward_only_whole_tensors_of_the_residual_and
     dense, tiled = saved(tiny_model("llama", backend="sdpa_segments").double()), saved(tiled_model("llama"))
     intermediate = TINY["intermediate_size"]
     assert any(intermediate in t.shape for t in dense) and not any(intermediate in t.shape for t in tiled)
-    assert len(residual_sized(tiled)) == 2 < len(residual_sized(dense))  # the input and attention's output
+    assert len(tiled) == 1 and tiled[0] is x and len(residual_sized(dense)) > 1
 
 
 def test_adapter_dropout_draws_the_forward_s_masks_again_in_backward(monkeypatch):
@@ -164,20 +195,20 @@ def test_adapter_dropout_draws_the_forward_s_masks_again_in_backward(monkeypatch
 
     got = run()
 
-    # The reference: the same tiles in the same order, kept for autograd's own backward.
-    def run_kept(tiles, step, inputs, modules, *, residual=False):
-        stepped, parts = inputs[1:] if residual else inputs, []
-        for a, b in _bounds(inputs[0].shape[1], tiles.count):
-            parts.append(list(step(*(x[:, a:b] for x in stepped))))
-            if residual:
-                parts[-1][0] = inputs[0][:, a:b] + parts[-1][0]
-        return tuple(torch.cat(outputs, dim=1) for outputs in zip(*parts, strict=True))
+    # The reference: the same tiles and attention call in the same order, kept for autograd's own backward.
+    def kept(call, x, *tensors):
+        parts, cached, outputs = [], {}, []
+        for index, start, stop in _tiles(call.length, call.count):
+            tile_qkv, cached[index] = call.before(x[:, start:stop], start, stop)
+            parts.append(tile_qkv)
+        attended = call.kernel(*(torch.cat(tiles, dim=-2) for tiles in zip(*parts, strict=True)))
+        for index, start, stop in _tiles(call.length, call.count):
+            outputs.append(
+                call.after(x[:, start:stop], start, stop, cached[index], attended[:, start:stop])[0]
+            )
+        return (torch.cat(outputs, dim=1),)
 
-    def run_rebuilt_kept(tiles, step, h, rebuild, sources, modules):
-        return torch.cat([step(h[:, a:b])[0] for a, b in _bounds(h.shape[1], tiles.count)], dim=1)
-
-    monkeypatch.setattr(tiled_layer._Tiles, "run", run_kept)
-    monkeypatch.setattr(tiled_layer._Tiles, "run_rebuilt", run_rebuilt_kept)
+    monkeypatch.setattr(tiled_layer._TiledLayer, "apply", kept)
     assert_relatively_close(got, run(), FLOAT64_BOUND)
 
 
@@ -195,14 +226,51 @@ def test_generation_with_a_kv_cache_runs_the_layer_s_own_forward():
         assert_relatively_close(tiled(input_ids=ids).logits, dense(input_ids=ids).logits, FLOAT64_BOUND)
 
 
-def test_a_layer_it_cannot_tile_is_refused_naming_its_class():
-    config = Qwen3MoeConfig(
-        **{**TINY, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
-    )
-    with pytest.raises(ModelError, match="longalign cannot tile Qwen3MoeDecoderLayer; it tiles the decoder"):
-        longalign.patch.tile_layers(Qwen3MoeForCausalLM(config))
+def test_a_layer_it_cannot_tile_is_refused_in_one_line_by_the_decision_and_at_load():
+    """Linear attention's recurrence runs over the tokens: the decision refuses it before any data, and
+    ``tile_layers`` with the same reason."""
+    from conftest import DEMO
+
+    from longalign.config import load_config
+    from longalign.run import check_family
+
+    config = tiny_config("qwen3_next")
+    reason = families.decide(config).layer_tiling
+    assert reason is not None and "mix tokens by linear attention" in reason
+    run = load_config(DEMO, ["training.sequence_tiling=layer"])
+    with pytest.raises(
+        longalign.patch.UnsupportedModelError,
+        match="sequence_tiling = 'layer' cannot tile Qwen3NextForCausalLM",
+    ):
+        check_family(run, config)  # the dry run's and the training run's check, before any data
+    assert check_family(run, tiny_config("llama")).layer_tiling is None
+    with pytest.raises(
+        ModelError, match="longalign cannot tile Qwen3NextDecoderLayer: 3 of its layers mix"
+    ) as err:
+        longalign.patch.tile_layers(build_family(config))
+    assert reason in str(err.value) and "\n" not in str(err.value)
     with pytest.raises(ModelError, match="training.sequence_tiling: Linear has no decoder layers"):
         longalign.patch.tile_layers(torch.nn.Linear(2, 2))
+
+
+def test_a_mixture_of_experts_records_its_router_logits_once_per_layer_in_token_order():
+    """Qwen3-MoE with its router loss: each layer's router logits, joined over the tiles, are the untiled
+    ones (once per layer, not once per tile or recompute), and the loss's gradients through them too."""
+    config = Qwen3MoeConfig(
+        **{**TINY, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16},
+        output_router_logits=True,
+        router_aux_loss_coef=0.5,
+    )
+    torch.manual_seed(0)
+    dense = longalign.patch.apply(build_family(config), backend="sdpa_segments")
+    tiled = longalign.patch.tile_layers(copy.deepcopy(dense), tile_tokens=TILE_TOKENS)
+    logits = []
+    for model in (dense, tiled):
+        out = model(input_ids=IDS, position_ids=POSITIONS, labels=IDS)
+        trained = [param for param in model.parameters() if param.requires_grad]
+        logits.append([*out.router_logits, out.aux_loss, *torch.autograd.grad(out.loss, trained)])
+    assert len(logits[1]) == len(logits[0]) and logits[0][0].shape == (IDS.numel(), 4)
+    assert_relatively_close(logits[1], logits[0], FLOAT64_BOUND)
 
 
 def test_parameters_that_zero3_partitions_inside_the_layer_are_a_one_line_error():
