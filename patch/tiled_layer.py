@@ -695,13 +695,20 @@ class _TiledLayer(torch.autograd.Function):
         with _recompute(device, ctx.autocast, call.states is not None):
             # 1. q, k, v again, and the children's outputs the layer reads after the call.
             qkv, cached = _first_pass(call, x, replay=True)
-            qkv = [t.requires_grad_() for t in qkv]
             _drawing(call, device, ("kernel",), True)
+            # The attention call's inputs and output are held by what the call keeps for its backward, not
+            # here: under sequence parallelism the tensors on either side of the Ulysses exchange are freed
+            # as soon as it has run (see _Handed and _Root).
+            caught: list[torch.Tensor | None] = []
+            anchor = torch.zeros((), device=device, requires_grad=True)
             with torch.enable_grad():
-                attended = call.kernel(*qkv)
+                attended = call.kernel(*_Handed.apply(caught, anchor, *qkv))
+                held = [torch.zeros_like(attended)]
+                root = _Root.apply(held, attended)
+            del qkv
             # 2. Each tile after the call: the gradients of its inputs, the attention output, the read
             #    children's outputs and the parameters.
-            grad_attended = torch.zeros_like(attended)
+            grad_attended = held[0]
             grad_cached: dict[int, list] = {}
             for index, start, stop in _tiles(call.length, call.count):
                 _drawing(call, device, ("after", index), True)
@@ -736,10 +743,11 @@ class _TiledLayer(torch.autograd.Function):
             # 3. The attention call's backward: q, k, v (and a sink's or other parameter's the kernel reads).
             #    The layer's input is let go meanwhile: offloaded, it comes back from host memory for step 4.
             x = None
-            grads = torch.autograd.grad(attended, [*qkv, *trained], grad_attended, allow_unused=True)
-            grad_qkv = grads[:3]
-            _sum_into(sums, list(grads[3:]))
-            del attended, grad_attended, qkv, grads
+            del attended, grad_attended
+            grads = torch.autograd.grad(root, [anchor, *trained], allow_unused=True)
+            grad_qkv = caught
+            _sum_into(sums, list(grads[1:]))
+            del root, grads
             (x,) = ctx.saved_tensors
             # 4. Each tile before the call again, with gradients, into its inputs and the parameters.
             for index, start, stop in _tiles(call.length, call.count):
@@ -747,7 +755,11 @@ class _TiledLayer(torch.autograd.Function):
                 leaves = tile_leaves(x, start, stop)
                 with torch.enable_grad():
                     tile_qkv, children = call.before(leaves[0], start, stop)
-                pairs = [(t, g[..., start:stop, :]) for t, g in zip(tile_qkv, grad_qkv, strict=True)]
+                pairs = [
+                    (t, g[..., start:stop, :])
+                    for t, g in zip(tile_qkv, grad_qkv, strict=True)
+                    if g is not None
+                ]
                 pairs += [
                     (out, g)
                     for (_, out), g in zip(children, grad_cached.pop(index), strict=True)
@@ -771,6 +783,40 @@ class _TiledLayer(torch.autograd.Function):
         wanted_graded = ctx.needs_input_grad[2 : 2 + graded]
         graded_grads = [g if w else None for g, w in zip(grad_inputs[1:], wanted_graded, strict=True)]
         return None, grad_inputs[0], *graded_grads, *param_grads
+
+
+class _Handed(torch.autograd.Function):
+    """q, k, v as they are (views), whose gradients backward hands to ``caught``: it keeps nothing, so the
+    tensors live only as long as what consumes them keeps them (the kernel's own backward does; the Ulysses
+    exchange does not). ``anchor``, a scalar leaf, puts the node on the graph's way to the inputs asked for."""
+
+    @staticmethod
+    def forward(ctx, caught: list, anchor: torch.Tensor, *tensors: torch.Tensor):
+        ctx.caught = caught
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        ctx.caught.extend(grads)
+        return (
+            None,
+            torch.zeros((), device=next(g for g in grads if g is not None).device),
+            *(None,) * len(grads),
+        )
+
+
+class _Root(torch.autograd.Function):
+    """A scalar whose backward hands ``held[0]`` (filled meanwhile, then let go) to its input as its
+    gradient: the attention output's backward starts here, so the output itself need not be held for it."""
+
+    @staticmethod
+    def forward(ctx, held: list, x: torch.Tensor) -> torch.Tensor:
+        ctx.held = held
+        return x.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return None, ctx.held.pop()
 
 
 def _reusable(grad_out: torch.Tensor, x: torch.Tensor) -> bool:
