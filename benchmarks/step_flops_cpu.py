@@ -5,12 +5,14 @@
 One forward and backward on CPU of a packed row (``--samples`` samples of equal length) through a 2-layer
 model shaped as Llama-3.1-8B scaled down by 16 (hidden 256, 8 query and 2 key/value heads of 32,
 intermediate 896: the 8B's 4096, 32/8 heads of 128 and 14336 keep the same ratios), float32, longalign's
-``sdpa_segments`` attention, every layer checkpointed. Three rows:
+``sdpa_segments`` attention, every layer checkpointed. Four rows:
 
 - checkpointing: transformers' activation checkpointing alone (the kernel on all heads at once);
 - + tiled MLP: ``tile_mlp``, the MLP in tiles of ``hidden`` tokens;
 - + tiled layer: ``tile_layers``, every token-wise part in tiles, the layer its own checkpoint; its attention
-  runs per key/value head, each group's forward keeping its output and log-sum-exp for the kernel's backward.
+  runs per key/value head, each group's forward keeping its output and log-sum-exp for the kernel's backward;
+- + kept attention: the tiled layer keeping those from forward to backward (``keep_attention``), so its
+  backward runs no attention forward.
 
 The token-wise FLOPs are what ``torch.utils.flop_counter.FlopCounterMode`` counts, less the LM head's
 (``6 x tokens x hidden x vocab``, the same in every row) and less any attention op it counts. Attention is
@@ -33,7 +35,7 @@ import longalign.patch
 from longalign import attention
 from longalign.flops import StepFlops
 
-VARIANTS = ["checkpointing", "+ tiled MLP", "+ tiled layer"]
+VARIANTS = ["checkpointing", "+ tiled MLP", "+ tiled layer", "+ kept attention"]
 VOCAB = 512
 
 
@@ -144,22 +146,24 @@ def main() -> None:
             longalign.patch.tile_mlp(model)
         elif variant == "+ tiled layer":
             longalign.patch.tile_layers(model)
+        elif variant == "+ kept attention":
+            longalign.patch.tile_layers(model, keep_attention=True)
         model.gradient_checkpointing_enable()
         model.train()
         outside, counted = step_flops(model, ids, batch)
         rows.append((variant, outside - head, counted))
     print(f"{tokens} tokens in {samples} samples, 2 layers, hidden 256, every layer checkpointed\n")
     print(
-        "| variant        | token-wise GFLOP | x ckpt | attention GFLOP (fwd/bwd calls) | all GFLOP | x ckpt |"
+        "| variant          | token-wise GFLOP | x ckpt | attention GFLOP (fwd/bwd calls) | all GFLOP | x ckpt |"
     )
     print(
-        "|----------------|------------------|--------|---------------------------------|-----------|--------|"
+        "|------------------|------------------|--------|---------------------------------|-----------|--------|"
     )
     for variant, tokenwise, counted in rows:
         total, first = tokenwise + counted.flops, rows[0][1] + rows[0][2].flops
         calls = f"{counted.forwards}/{counted.backwards}"
         print(
-            f"| {variant:<14} | {tokenwise / 1e9:>16.3f} | {tokenwise / rows[0][1]:>6.3f} | "
+            f"| {variant:<16} | {tokenwise / 1e9:>16.3f} | {tokenwise / rows[0][1]:>6.3f} | "
             f"{counted.flops / 1e9:>20.3f} ({calls:>7}) | {total / 1e9:>9.3f} | {total / first:>6.3f} |"
         )
 

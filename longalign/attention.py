@@ -44,10 +44,12 @@ What some families add to the scores, each exact when packed (``auto`` skips a b
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import importlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from itertools import pairwise
 from typing import Any, NamedTuple
 
@@ -153,10 +155,24 @@ def varlen_attention(
         options = extras if sinks is None else {**extras, "sinks": sinks}
         return function(q, k, v, cu_seqlens, int(max_seqlen), causal, scale, dropout, window, **options)
 
+    kept = _KEPT_FUNCTIONS.get(name)
+    if _KEEPING.get() is not None:  # a layer that keeps its attention (keeping_attention)
+        if (
+            dropout
+            or kept is None
+            or (sinks is not None and not kept.sinks)
+            or not _kept_arguments_taken(name, kept)
+        ):
+            why = "attention dropout" if dropout else f"the {name} backend's kernel"
+            raise ConfigError(
+                f"training.keep_attention: {why} does not hand back the output and log-sum-exp its backward "
+                "takes; set training.keep_attention = false"
+            )
+        call = _Call(cu_seqlens, int(max_seqlen), causal, scale, window, softcap)
+        return _PerKVHead.apply(kept, call, q, k, v, sinks)
     # With dropout the kernel runs whole: its backward would need each group's random state.
     if not per_kv_head or k.shape[1] == 1 or dropout:
         return kernel(q, k, v, sinks)
-    kept = _KEPT_FUNCTIONS.get(name)
     if kept is not None and (sinks is None or kept.sinks) and _kept_arguments_taken(name, kept):
         call = _Call(cu_seqlens, int(max_seqlen), causal, scale, window, softcap)
         return _PerKVHead.apply(kept, call, q, k, v, sinks)
@@ -166,6 +182,30 @@ def varlen_attention(
     return torch.cat(
         [kernel(q[:, h], k[:, g], v[:, g], None if sinks is None else sinks[h]) for h, g in groups], dim=1
     )
+
+
+# What the attention calls inside ``keeping_attention`` do with what their kernels' forward hands back.
+_KEEPING: contextvars.ContextVar[tuple[str, list] | None] = contextvars.ContextVar("keeping", default=None)
+
+
+@contextlib.contextmanager
+def keeping_attention(mode: str, kept: list) -> Iterator[None]:
+    """Attention calls that keep, or are handed back, their kernels' output and log-sum-exp.
+
+    ``"record"``: each ``varlen_attention`` call runs its kernel one key/value head at a time
+    (:class:`_PerKVHead`, even with one head) and appends ``(out, [lse per group])`` to ``kept``.
+    ``"replay"``: each call takes the next ``(out, lses)`` from ``kept`` instead of running the kernel's
+    forward, and its backward calls the kernel's backward on them, as if it had run. The tiled layer's
+    ``keep_attention`` records in forward and replays in its backward. A backend whose kernel's backward
+    cannot be called on its own, or attention dropout, raises ``ConfigError``.
+    """
+    if mode not in ("record", "replay"):
+        raise ValueError(f"keeping_attention: mode must be 'record' or 'replay', got {mode!r}")
+    token = _KEEPING.set((mode, kept))
+    try:
+        yield
+    finally:
+        _KEEPING.reset(token)
 
 
 def _kept_arguments_taken(name: str, kept: _Kept) -> bool:
@@ -248,14 +288,20 @@ class _PerKVHead(torch.autograd.Function):
         sinks: torch.Tensor | None,
     ) -> torch.Tensor:
         ctx.kept, ctx.call = kept, call
-        out, lses = None, []
-        for heads, kv_head in _kv_head_groups(q.shape[1], k.shape[1]):
-            group_sinks = None if sinks is None else sinks[heads]
-            y, lse = kept.forward(q[:, heads], k[:, kv_head], v[:, kv_head], group_sinks, call)
-            if out is None:
-                out = y.new_empty((q.shape[0], q.shape[1], y.shape[-1]))
-            out[:, heads] = y
-            lses.append(lse)
+        keeping = _KEEPING.get()
+        if keeping is not None and keeping[0] == "replay":
+            out, lses = keeping[1].pop(0)
+        else:
+            out, lses = None, []
+            for heads, kv_head in _kv_head_groups(q.shape[1], k.shape[1]):
+                group_sinks = None if sinks is None else sinks[heads]
+                y, lse = kept.forward(q[:, heads], k[:, kv_head], v[:, kv_head], group_sinks, call)
+                if out is None:
+                    out = y.new_empty((q.shape[0], q.shape[1], y.shape[-1]))
+                out[:, heads] = y
+                lses.append(lse)
+            if keeping is not None:
+                keeping[1].append((out, lses))
         ctx.save_for_backward(q, k, v, sinks, out, *lses)
         return out
 

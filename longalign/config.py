@@ -358,6 +358,9 @@ class TrainingConfig:
         0  # tokens per tile, either level; 0: the model's hidden size (ceil(tokens / hidden))
     )
     offload_activations: bool = False  # checkpointed layer inputs wait for backward in (pinned) host memory
+    # The tiled layer keeps each layer's attention output and log-sum-exp from forward (offloaded with its
+    # input), so its backward runs no attention forward
+    keep_attention: bool = False
     activation_checkpointing_layers: int = 1  # checkpoint every n-th decoder layer (1: all of them)
     args: dict[str, Any] = field(default_factory=dict)  # every other key, for transformers.TrainingArguments
 
@@ -379,6 +382,11 @@ class TrainingConfig:
             raise ConfigError(
                 f"training.mlp_tile_tokens = {self.mlp_tile_tokens} sizes the tiles of training.sequence_tiling, "
                 'which is off; set training.sequence_tiling = "layer" (or "mlp")'
+            )
+        if self.keep_attention and not (self.sequence_tiling == "layer" and self.offload_activations):
+            raise ConfigError(
+                "training.keep_attention = true keeps each tiled layer's attention output in host memory with "
+                'its offloaded input; set training.sequence_tiling = "layer" and training.offload_activations = true'
             )
         if self.activation_checkpointing_layers < 1:
             raise ConfigError(

@@ -184,7 +184,9 @@ def load_model(cfg: Config, device: torch.device | None = None) -> torch.nn.Modu
     if training.sequence_tiling == "mlp":
         longalign.patch.tile_mlp(model, tile_tokens=training.mlp_tile_tokens)
     elif training.sequence_tiling == "layer":
-        longalign.patch.tile_layers(model, tile_tokens=training.mlp_tile_tokens)
+        longalign.patch.tile_layers(
+            model, tile_tokens=training.mlp_tile_tokens, keep_attention=training.keep_attention
+        )
     if training.offload_activations:
         longalign.patch.offload_checkpointed_inputs(model)
     return model

@@ -70,6 +70,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import output_capturing
 
+from longalign import attention
 from longalign.errors import ModelError
 
 from .families import tiling_problem
@@ -82,9 +83,11 @@ _WHOLE_ARGUMENTS = frozenset(
 )
 
 
-def tile_layers(model: nn.Module, *, tile_tokens: int = 0) -> nn.Module:
+def tile_layers(model: nn.Module, *, tile_tokens: int = 0, keep_attention: bool = False) -> nn.Module:
     """Run every decoder layer of ``model``, and the norm after them, in tiles of ``tile_tokens`` tokens
-    (0: ``hidden_size``).
+    (0: ``hidden_size``). ``keep_attention``: each layer keeps its attention output and log-sum-exp from
+    forward, saved as its input is (offloaded, with ``offload_checkpointed_inputs``), and its backward runs
+    the attention's backward on them, no attention forward.
 
     Raises ``ModelError`` in one line when the model's layers cannot be tiled
     (:func:`longalign.patch.families.tiling_problem`). Call it after the run's ``TrainingArguments`` and
@@ -104,6 +107,7 @@ def tile_layers(model: nn.Module, *, tile_tokens: int = 0) -> nn.Module:
         if not hasattr(type(layer), "untiled"):
             layer.__class__ = _tiled_class(type(layer))
         layer.tile_tokens = tile_tokens
+        layer.keep_attention = keep_attention
     norm = _final_norm(model)
     if norm is not None:
         norm.forward = functools.partial(_tiled_norm_forward, norm, tile_tokens=tile_tokens)
@@ -200,6 +204,7 @@ class _LayerCall:
 
     def __init__(self, layer: nn.Module, x: torch.Tensor, args: tuple, kwargs: dict, count: int) -> None:
         self.layer, self.args, self.kwargs, self.count = layer, args, kwargs, count
+        self.keep = getattr(layer, "keep_attention", False)  # keep the attention's output (tile_layers)
         self.batch, self.length = x.shape[:2]
         self.wholes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(tile) -> (tile, whole)
         self.leaves: dict[int, torch.Tensor] = {}  # id(whole) -> this tile's leaf, in backward's passes
@@ -623,11 +628,16 @@ class _TiledLayer(torch.autograd.Function):
     def forward(ctx, call: _LayerCall, x: torch.Tensor, *tensors: torch.Tensor):
         ctx.call, ctx.params = call, tensors[len(call.graded) :]
         ctx.autocast = _autocast_state(x.device.type)
-        ctx.save_for_backward(x)
         qkv, cached = _first_pass(call, x, replay=False)
         _drawing(call, x.device, ("kernel",), False)
-        attended = call.kernel(*qkv)
+        kept: list = []
+        with attention.keeping_attention("record", kept) if call.keep else contextlib.nullcontext():
+            attended = call.kernel(*qkv)
         del qkv
+        # The input alone, or with each attention call's output and log-sum-exps (keep_attention).
+        ctx.kept_lses = [len(lses) for _, lses in kept]
+        ctx.save_for_backward(x, *(t for out, lses in kept for t in (out, *lses)))
+        del kept
         out = x.new_empty(x.shape)
         recorded: list[torch.Tensor] = []
         for index, start, stop in _tiles(call.length, call.count):
@@ -656,7 +666,10 @@ class _TiledLayer(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor, *grad_recorded: torch.Tensor | None):
         call, params = ctx.call, ctx.params
-        (x,) = ctx.saved_tensors
+        x, *flat = ctx.saved_tensors
+        kept, flat = [], iter(flat)
+        for count in ctx.kept_lses:
+            kept.append((next(flat), [next(flat) for _ in range(count)]))
         wants_x = ctx.needs_input_grad[1]
         graded = len(call.graded)
         wanted = ctx.needs_input_grad[2 + graded :]
@@ -701,11 +714,12 @@ class _TiledLayer(torch.autograd.Function):
             # as soon as it has run (see _Handed and _Root).
             caught: list[torch.Tensor | None] = []
             anchor = torch.zeros((), device=device, requires_grad=True)
-            with torch.enable_grad():
+            replayed = attention.keeping_attention("replay", kept) if call.keep else contextlib.nullcontext()
+            with torch.enable_grad(), replayed:  # kept: the attention's forward is handed back what it kept
                 attended = call.kernel(*_Handed.apply(caught, anchor, *qkv))
                 held = [torch.zeros_like(attended)]
                 root = _Root.apply(held, attended)
-            del qkv
+            del qkv, kept
             # 2. Each tile after the call: the gradients of its inputs, the attention output, the read
             #    children's outputs and the parameters.
             grad_attended = held[0]
@@ -748,7 +762,7 @@ class _TiledLayer(torch.autograd.Function):
             grad_qkv = caught
             _sum_into(sums, list(grads[1:]))
             del root, grads
-            (x,) = ctx.saved_tensors
+            x = ctx.saved_tensors[0]  # (with keep_attention the kept ones come back too, and go at once)
             # 4. Each tile before the call again, with gradients, into its inputs and the parameters.
             for index, start, stop in _tiles(call.length, call.count):
                 _drawing(call, device, ("before", index), True)

@@ -147,6 +147,63 @@ def test_the_kernel_runs_once_per_key_value_head_and_every_norm_in_tiles(monkeyp
     assert norm_tokens and max(norm_tokens) <= TILE_TOKENS
 
 
+@pytest.mark.parametrize("offloaded", [False, True], ids=["on the device", "offloaded"])
+def test_kept_attention_runs_no_attention_forward_in_backward(offloaded):
+    """``keep_attention``: each layer keeps its attention output and log-sum-exps from forward (offloaded with
+    its input, as ``offload_checkpointed_inputs`` moves what the layer saves), and its backward hands them to
+    the kernel's backward: the kernel's forward runs once per group and layer, all in forward. Output and
+    gradients as untiled (float64)."""
+    from conftest import kept_kernel_calls
+    from torch.autograd.graph import saved_tensors_hooks
+
+    want = loss_and_gradients(tiny_model("llama", backend="sdpa_segments").double())
+    model = longalign.patch.tile_layers(
+        tiny_model("llama", backend="sdpa_segments").double(), tile_tokens=TILE_TOKENS, keep_attention=True
+    )
+    saved: list[torch.Size] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tensor.shape)
+        return tensor.clone()  # what the offload does: a copy, brought back in backward
+
+    hooks = (
+        saved_tensors_hooks(pack, torch.clone) if offloaded else saved_tensors_hooks(lambda t: t, lambda t: t)
+    )
+    with kept_kernel_calls("sdpa_segments") as calls, hooks:
+        out = model(input_ids=IDS, position_ids=POSITIONS, labels=IDS)
+        in_forward = list(saved)
+        trained = [param for param in model.parameters() if param.requires_grad]
+        got = [out.logits, *torch.autograd.grad(out.loss, trained)]
+
+    assert_relatively_close(got, want, FLOAT64_BOUND)
+    groups, layers = TINY["num_key_value_heads"], TINY["num_hidden_layers"]
+    assert calls == ["forward"] * (groups * layers) + ["backward"] * (groups * layers)
+    if offloaded:  # in forward, each layer's attention output and one log-sum-exp per group went out
+        heads, tokens = TINY["num_attention_heads"], POSITIONS.shape[1]
+        output, lse = (tokens, heads, TINY["hidden_size"] // heads), (heads // groups, tokens)
+        assert sum(shape == output for shape in in_forward) == layers
+        assert sum(shape == lse for shape in in_forward) == layers * groups
+
+
+def test_kept_attention_needs_the_tiled_layer_and_offloaded_inputs():
+    from longalign.config import ConfigError, TrainingConfig
+
+    for settings in (
+        {},
+        {"sequence_tiling": "layer"},
+        {"sequence_tiling": "mlp", "offload_activations": True},
+    ):
+        with pytest.raises(ConfigError, match="training.keep_attention") as err:
+            TrainingConfig(keep_attention=True, args={"activation_checkpointing": True}, **settings)
+        assert "\n" not in str(err.value)
+    TrainingConfig(
+        keep_attention=True,
+        sequence_tiling="layer",
+        offload_activations=True,
+        args={"activation_checkpointing": True},
+    )
+
+
 def test_a_tiled_layer_keeps_its_input_alone_for_backward():
     """Untiled, backward needs the norms' outputs and the MLP's ``[tokens, intermediate]`` tensors; tiled, the
     layer keeps its input and recomputes the rest (q, k, v and the attention output included)."""
