@@ -5,14 +5,16 @@ A decoder layer is token-wise everywhere but in its attention call. For one micr
 (hidden ``H``) in tiles of ``t``, the family's own ``forward`` runs twice per tile::
 
     first pass   x[:, i:i+t] -> the family's norm, projections, RoPE (q/k norms, MLA, ...) up to the
-                 attention call, which is stopped there: q, k, v [B, heads, t, D] are kept, and what
-                 the attention module's children (q_proj, k_proj, ...) returned before it
+                 attention call, which is stopped there: q, k, v [B, heads, t, D] are kept, and of what
+                 the attention module's children (q_proj, k_proj, ...) returned before it, the outputs
+                 the layer reads after the call (a gate; found once per layer on one token)
     attention    the attention function once, on the whole q, k, v [B, heads, T, D], with the kwargs
                  the module passed (window, chunks, soft-cap, sinks, scaling), position_ids whole, and
                  per_kv_head=True (longalign's varlen attention: backward buffers one group at a time)
                                                                   -> attended [B, T, heads, D]
     second pass  x[:, i:i+t] again through the layer: the attention module's children hand back what
-                 they returned, the attention call hands back attended[:, i:i+t]; everything after it
+                 was kept (zeros for the rest, which only lead to the call), the attention call hands
+                 back attended[:, i:i+t]; everything after it
                  (o-projection, gates, sandwich norms, multipliers, residuals, MLP or experts) is the
                  family's code                                    -> out[:, i:i+t]
 
@@ -23,22 +25,26 @@ attention and AltUp's stacked hidden states are refused when the model loads); a
 attention twice is refused at its first step.
 
 The layer is one autograd function that keeps its input alone (as activation checkpointing keeps it, so
-``offload_checkpointed_inputs`` moves it to host memory) and whose backward runs:
+``offload_checkpointed_inputs`` moves it to host memory; with ``keep_attention`` also the attention
+call's output and log-sum-exps, :func:`longalign.attention.keeping_attention`) and whose backward runs:
 
-1. every tile's first pass again, without gradients: the whole q, k, v and the children's outputs;
-2. the attention call on them, with gradients;
+1. every tile's first pass again, without gradients: the whole q, k, v and the kept children's outputs;
+2. the attention call on them, with gradients (kept: its forward hands back what it kept);
 3. every tile's second pass, differentiated: gradients of the tile's input, of its tile of the
-   attention output, of the children's outputs (a gate that q_proj made, say) and of the parameters;
+   attention output, of the kept children's outputs and of the parameters;
 4. the attention call's backward: q's, k's, v's gradients (and a sink's);
 5. every tile's first pass once more, differentiated into the tile's input and the parameters.
 
 So per step each token-wise part runs in forward and once in backward, the q/k/v projections twice;
 transformers' activation checkpointing does not wrap a tiled layer (its checkpointing function runs the
 layer as it is), which would recompute all of it once more. The tensors that span the micro-batch exist
-only while the layer runs: its input, q, k, v, the attention output, the children's outputs before the
-call (q, k, v before RoPE: about their size again), and their gradients; the norms' outputs, the
-residual sums and the MLP's ``[t, intermediate]`` tensors exist for one tile at a time, in forward and
-in backward. Between forward and backward a layer keeps its input only.
+only while the layer's backward runs: q, k, v, the attention output, the kept children's outputs, their
+gradients, and the input's gradient, which is written over the incoming gradient (:func:`_reusable`) as
+each tile's second pass has read its tile; the input itself is let go during step 4 (offloaded, it is
+copied back for step 5), and what the attention call consumes is held only by what it keeps
+(:class:`_Handed`, :class:`_Root`: the tensors on either side of the Ulysses exchange go once it has
+run). The norms' outputs, the residual sums and the MLP's ``[t, intermediate]`` tensors exist for one tile
+at a time, in forward and in backward.
 
 What the model records inside a layer (a mixture of experts' router logits, through transformers'
 output-recording hooks) is collected per tile in the second pass, joined in token order and handed to
