@@ -108,6 +108,8 @@ def varlen_attention_forward(
             "without a KV cache; generate with model.set_attn_implementation('sdpa')"
         )
     cu_seqlens, max_seqlen = _sample_boundaries(kwargs, batch, length)
+    if s_aux is not None and s_aux.shape[0] != heads:
+        s_aux = _sinks_of_this_rank(s_aux, heads)
     query_scale = getattr(module, "packed_query_scale", None)
     if query_scale is not None:
         scales = query_scale(positions_in_samples(cu_seqlens, batch * length))
@@ -198,3 +200,16 @@ def _sample_boundaries(kwargs: dict[str, Any], batch: int, length: int) -> tuple
             "unknown; this model does not forward its keyword arguments to attention"
         )
     return cu_seqlens_from_position_ids(position_ids.expand(batch, length))
+
+
+def _sinks_of_this_rank(sinks: torch.Tensor, heads: int) -> torch.Tensor:
+    """The sinks of the query heads this rank holds under sequence parallelism: the Ulysses exchange gives
+    rank ``r`` of a group of ``N`` heads ``[r H/N, (r+1) H/N)`` of the model's ``H``, and the module's sinks
+    are one per head of the model. Each rank's gradient reaches its heads' sinks, and the gradients' sum over
+    the group is the whole one, as for every other parameter."""
+    if not torch.distributed.is_initialized() or sinks.shape[0] % heads:
+        return sinks  # varlen_attention says what is wrong
+    from .sequence_parallel import group_of_this_rank
+
+    rank = torch.distributed.get_rank(group_of_this_rank())
+    return sinks[rank * heads : (rank + 1) * heads]

@@ -31,9 +31,9 @@ from collections.abc import Callable
 
 import datasets
 import torch
-from conftest import pack_row, tiny_model, tiny_moe
+from conftest import TINY, pack_row, tiny_model, tiny_moe
 from invariance_run import samples
-from transformers import TrainingArguments
+from transformers import GptOssConfig, GptOssForCausalLM, TrainingArguments
 
 import longalign.patch
 from longalign.batching import PackCollator
@@ -72,11 +72,26 @@ WINDOW = 4  # tokens each query sees in the "window" case: fewer than any sample
 
 
 def model(size: int, case: str = "") -> torch.nn.Module:
-    """The tiny model for ``case`` ("", "adapters", "moe", "window" or "no_window": the same Mistral attending
-    over whole samples), patched to split packs over ``size`` ranks. Every case has the tiny model's attention
+    """The tiny model for ``case`` ("", "adapters", "moe", "sinks", "window" or "no_window": the same Mistral
+    attending over whole samples), patched to split packs over ``size`` ranks. Every case has the tiny model's attention
     shape, so DeepSpeed's groups and wrapper, set up once per process, serve them all."""
     if case == "moe":
         return tiny_moe(dtype=torch.float32, sequence_parallel_size=size)
+    if case == "sinks":  # gpt-oss: one sink logit per query head, which the exchange splits over the ranks
+        config = GptOssConfig(
+            **{
+                **TINY,
+                "num_local_experts": 4,
+                "num_experts_per_tok": 2,
+                "layer_types": ["full_attention"] * 2,
+            }
+        )
+        torch.manual_seed(0)
+        base = GptOssForCausalLM(config).float()
+        with torch.no_grad():
+            for layer in base.model.layers:
+                layer.self_attn.sinks.copy_(torch.linspace(-1.0, 2.0, TINY["num_attention_heads"]))
+        return longalign.patch.apply(base, backend="sdpa_segments", sequence_parallel_size=size)
     if case in ("window", "no_window"):
         window = WINDOW if case == "window" else None
         return tiny_model(

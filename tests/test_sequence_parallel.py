@@ -131,6 +131,7 @@ LAUNCHES = {
             "ddp/sequence_level:adapters",
             "ddp/token_level:moe",
             "ddp/sequence_level:window",
+            "ddp/sequence_level:sinks",
             *(f"zero3/{weighting}" for weighting in WEIGHTINGS),
         ],
     ),
@@ -240,6 +241,22 @@ def test_the_router_loss_of_split_packs_is_the_router_loss_of_the_whole_packs(la
     assert got["loss"] == pytest.approx(want["loss"], rel=FLOAT32_BOUND)
     assert got["logged"]["router_loss"] == pytest.approx(want["logged"]["router_loss"], rel=FLOAT32_BOUND)
     assert got["logged"]["packs_per_step"] == want["logged"]["packs_per_step"] == 4
+
+
+@pytest.mark.integration
+@needs_launcher
+@needs_deepspeed
+def test_attention_sinks_split_over_the_ranks_train_the_same_step(launched):
+    """gpt-oss: one sink logit per query head; the exchange leaves each rank half the heads, and each rank
+    applies (and trains) its heads' sinks: the step of the unsplit run."""
+    got = outcome(launched("2 ranks"), "ddp/sequence_level:sinks")
+    start = {name: p.detach().clone() for name, p in model(1, "sinks").named_parameters()}
+    want = one_step("sequence_level:sinks")
+    assert update_difference(got, want, start) < 1e-4
+    assert got["loss"] == pytest.approx(want["loss"], rel=FLOAT32_BOUND)
+    sinks = [name for name in start if name.endswith("sinks")]
+    moved = [(start[name] - got["params"][name]).abs().min() for name in sinks]
+    assert sinks and all(step > 0 for step in moved)  # every head's sink trained, on both ranks' heads
 
 
 @pytest.mark.integration
