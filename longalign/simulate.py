@@ -305,12 +305,18 @@ def kernel_stand_in(kernel: str, values: _Values, flops: StepFlops | None = None
     samples of its ``cu_seqlens``; ``sdpa_segments`` runs itself, and is not counted)."""
     from longalign import attention
 
-    def run(q, k, v, cu_seqlens, max_seqlen, causal, scale, dropout, window):
+    def run(q, k, v, cu_seqlens, max_seqlen, causal, scale, dropout, window, sinks=None):
+        # Attention sinks (gpt-oss: one logit per head in the softmax's denominator) run on a GPU in
+        # FlashAttention 4 (flash_attn_cute), which has no stand-in of its own: a FlashAttention stand-in
+        # allocates its named kernel's buffers for them, and the sinks' gradient (one float per head) is
+        # not counted. sdpa_segments writes each sample's attention out with sinks, as it runs.
         bounds = values.value(cu_seqlens)
         if kernel == "sdpa_segments":
             if bounds is None:
                 raise SimulationError("sdpa_segments: the sample boundaries of the pack are not known")
-            return attention._sdpa_segments(q, k, v, bounds, max_seqlen, causal, scale, dropout, window)
+            return attention._sdpa_segments(
+                q, k, v, bounds, max_seqlen, causal, scale, dropout, window, sinks=sinks
+            )
         return _FlashKernel.apply(
             q, k, v, kernel, cu_seqlens.numel() - 1, flops, forward_flops(q, v, cu_seqlens, causal, window)
         )
@@ -396,22 +402,29 @@ def simulated_config(cfg, layers: int | None = None):
         and not key.startswith("_")
     }
     if layers is not None:
-        settings[_layers_key(config)] = layers
-    model = dataclasses.replace(
-        cfg.model,
-        model_name_or_path=None,
-        init_from_config=settings,
-        config_overrides={},
-        torch_dtype=str(dtype).removeprefix("torch."),
-    )
+        _settings_layers(settings, config, layers)
+    model = dataclasses.replace(cfg.model, config_overrides={}, torch_dtype=str(dtype).removeprefix("torch."))
+    # Set after the dataclass's checks, which hold a user's init_from_config to its class's fields: these are
+    # the checkpoint's own settings as transformers read them, keys its class does not declare included (the
+    # head_dim of Qwen3-MoE and GLM-4.5, read with getattr; gpt-oss's experts_per_token), which the model
+    # loads with.
+    model.model_name_or_path, model.init_from_config = None, settings
     args = {k: v for k, v in cfg.training.args.items() if k not in ("deepspeed", "fsdp", "fsdp_config")}
     training = dataclasses.replace(cfg.training, args=args)
     return dataclasses.replace(cfg, model=model, training=training, eval_tasks=None)
 
 
-def _layers_key(config) -> str:
+def _settings_layers(settings: dict[str, Any], config, layers: int) -> None:
+    """``layers`` decoder layers in ``settings`` (``config.to_dict()``'s): in the text config's own dict for a
+    multimodal config (Gemma 3's ``text_config``), and each per-layer list (``layer_types``: gpt-oss's
+    alternating sliding and full attention, Gemma 3's five sliding layers to one full) cut to its first
+    ``layers`` entries, which transformers holds to the layer count."""
     text = config.get_text_config()
-    return "num_hidden_layers" if text is config else "text_config"
+    key = next((name for name, value in vars(config).items() if value is text), None)
+    target = settings if text is config or key is None else settings[key]
+    target["num_hidden_layers"] = layers
+    if isinstance(target.get("layer_types"), list):
+        target["layer_types"] = target["layer_types"][:layers]
 
 
 def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
