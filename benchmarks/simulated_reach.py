@@ -1,8 +1,10 @@
-"""Reach by simulation: Llama-3.1-8B and GLM-4-9B, what each long-context variant holds per token, and the
-longest pack that fits one 80 GB GPU, one 141 GB GPU, and 8 x 80 GB with sequence parallelism 8, next to
-the figures DeepSpeed ALST publishes for Llama-3.1-8B.
+"""Reach by simulation: per model family (Llama-3.1-8B, GLM-4-9B, Qwen3-30B-A3B, GLM-4.5-Air, gpt-oss-20b,
+Gemma-3-12B, each from its published ``config.json`` under ``configs/models/``), what each long-context
+variant holds per token, and the longest pack that fits one 80 GB GPU, one 141 GB GPU, and 8 x 80 GB with
+sequence parallelism 8, next to the figures DeepSpeed ALST publishes for Llama-3.1-8B.
 
-    python benchmarks/simulated_reach.py [--lengths 512k,1m] [--kernel flash_attn_2] [--models llama,glm]
+    python benchmarks/simulated_reach.py [--lengths 512k,1m] [--kernel flash_attn_2]
+        [--models llama,glm,qwen3moe,glm45air,gptoss,gemma3]
 
 Every figure is simulated (``longalign probe --simulate``: the run's step on fake tensors, counted; nothing
 is computed and no GPU has measured it). Each variant adds to the one before, all with bfloat16 weights,
@@ -22,8 +24,16 @@ tokens per GPU the tiled layer's peak (with offloaded inputs) is set by another 
 one that grows fastest, and a line through two such lengths promises far too much: through 128k and 256k,
 10.4 bytes per token per unit of hidden and 1,792k tokens on 80 GB, where from 1M to 2M the step grows by
 15.9 and 1,792k does not fit. The 8-GPU rows are simulated with ``sequence_parallel_size = 8`` (rank 0 of
-the group: its slice, and the all-to-all buffers), one process per line. Takes about 8 minutes on two
-shared cores.
+the group: its slice, and the all-to-all buffers), one process per line. Takes about 4 minutes per model on
+two shared cores.
+
+Every model runs the settings of ``configs/llama3_8b_768k_1gpu.toml``; every one but Llama without its
+RoPE overrides (``model.config_overrides``, YaRN for Llama's window), at their checkpoint's own RoPE, which
+holds the same memory. A cell where the run refuses the model in that variant, or its step fails, holds the
+reason instead of a length. gpt-oss's attention sinks run on a GPU in FlashAttention 4, which has no
+stand-in: its rows hold FlashAttention 2's buffers (``longalign.simulate.kernel_stand_in``). Gemma 3's
+published config is the multimodal class, which longalign takes as it is (its vision tower's weights in
+host memory, no image in a pack).
 """
 
 from __future__ import annotations
@@ -44,6 +54,10 @@ ROOT = Path(__file__).resolve().parents[1]
 MODELS = {
     "llama": ("Llama-3.1-8B", ROOT / "configs" / "models" / "Llama-3.1-8B-Instruct"),
     "glm": ("GLM-4-9B", ROOT / "configs" / "models" / "glm-4-9b-chat-hf"),
+    "qwen3moe": ("Qwen3-30B-A3B", ROOT / "configs" / "models" / "Qwen3-30B-A3B"),
+    "glm45air": ("GLM-4.5-Air", ROOT / "configs" / "models" / "GLM-4.5-Air"),
+    "gptoss": ("gpt-oss-20b", ROOT / "configs" / "models" / "gpt-oss-20b"),
+    "gemma3": ("Gemma-3-12B", ROOT / "configs" / "models" / "gemma-3-12b-it"),
 }
 VARIANTS = {
     "checkpointing": [],
@@ -67,7 +81,9 @@ LAUNCH = ROOT / "configs" / "accelerate" / "zero3_offload.yaml"
 
 
 def line(model: Path, variant: list[str], lengths: list[int], gpus: int, kernel: str) -> dict:
-    """The simulated peak per GPU and host memory per node at two lengths, each as ``(a, b)``: ``a + b x length``.
+    """The simulated peak per GPU and host memory per node at two lengths, each as ``(a, b)``: ``a + b x length``;
+    ``{"refused": why}`` where the run refuses the model in this variant (the probe's own message) or its step
+    fails (the error).
 
     One ``longalign probe --simulate`` process per line: DeepSpeed sets sequence parallelism up once per
     process, for one attention shape.
@@ -81,14 +97,22 @@ def line(model: Path, variant: list[str], lengths: list[int], gpus: int, kernel:
             f"model.model_name_or_path='{model}'", "training.offload_activations=false",
             "training.sequence_tiling=''", f"training.sequence_parallel_size={gpus}",
             f"data.max_seq_len={max(lengths)}", *variant,
+            *([] if model == MODELS["llama"][1] else ["model.config_overrides={}"]),  # Llama's own RoPE
         ]  # fmt: skip
         result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
-        if not output.exists():
+        if not output.exists():  # refused before the step (the probe's message), or failed in it (the error)
+            rows = [row.removeprefix("[rank0]: ") for row in result.stderr.splitlines() if row.strip()]
+            refused = [row for row in rows if row.startswith("longalign probe: error: ")]
+            if refused:
+                return {"refused": refused[-1].removeprefix("longalign probe: error: ")}
+            if rows and "Error: " in rows[-1]:
+                return {"refused": f"fails in the step ({rows[-1].strip()})"}
             sys.exit(f"{' '.join(command)} failed:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}")
         low, high = json.loads(output.read_text())["simulated"]
     slope = (high["peak"] - low["peak"]) / (high["length"] - low["length"])
     host_slope = (high["host_per_node"] - low["host_per_node"]) / (high["length"] - low["length"])
-    hidden = json.loads((model / "config.json").read_text())["hidden_size"]
+    config = json.loads((model / "config.json").read_text())
+    hidden = config.get("text_config", config)["hidden_size"]  # a multimodal config's text model's
     return {
         "peak": (high["peak"] - slope * high["length"], slope),
         "host": (high["host_per_node"] - host_slope * high["length"], host_slope),
@@ -111,7 +135,7 @@ def main() -> None:
     )
     parser.add_argument("--lengths", default="512k,1m", help="the two lengths per GPU each line goes through")
     parser.add_argument("--kernel", default="flash_attn_2", help="the attention kernel stood in for")
-    parser.add_argument("--models", default="llama,glm")
+    parser.add_argument("--models", default="llama,glm", help=f"of {','.join(MODELS)}")
     args = parser.parse_args()
     lengths = parse_lengths(args.lengths)
     start = time.perf_counter()
@@ -130,10 +154,13 @@ def main() -> None:
             }
             cells = []
             for gpus, memory in GPUS.values():
+                if "refused" in lines[gpus]:
+                    cells.append(lines[gpus]["refused"])
+                    continue
                 reach = longest(lines[gpus], memory)
                 cells.append(format_length(reach) if reach else "-")
-            per_hidden = lines[1]["per_token_per_hidden"]
-            print(f"| {name} | {variant} | {per_hidden:.1f} | " + " | ".join(cells) + " |")
+            per_hidden = "-" if "refused" in lines[1] else f"{lines[1]['per_token_per_hidden']:.1f}"
+            print(f"| {name} | {variant} | {per_hidden} | " + " | ".join(cells) + " |", flush=True)
     print(f"| Llama-3.1-8B | ALST (published) | - | {' | '.join(ALST.values())} |")
     print(f"\nsimulated in {time.perf_counter() - start:.0f} s")
 
