@@ -31,9 +31,10 @@ Every model runs the settings of ``configs/llama3_8b_768k_1gpu.toml``; every one
 RoPE overrides (``model.config_overrides``, YaRN for Llama's window), at their checkpoint's own RoPE, which
 holds the same memory. A cell where the run refuses the model in that variant, or its step fails, holds the
 reason instead of a length. gpt-oss's attention sinks run on a GPU in FlashAttention 4, which has no
-stand-in: its rows hold FlashAttention 2's buffers (``longalign.simulate.kernel_stand_in``). Gemma 3's
-published config is the multimodal class, which longalign takes as it is (its vision tower's weights in
-host memory, no image in a pack).
+stand-in: its rows hold FlashAttention 2's buffers (``longalign.simulate.kernel_stand_in``), and its
+sinks do not follow sequence parallelism's split of the heads (its 8-GPU cells hold the error). Gemma 3's
+published config is the multimodal class, which longalign does not refuse but the simulation cannot yet
+build on fake tensors (its cells hold the error).
 """
 
 from __future__ import annotations
