@@ -21,9 +21,7 @@ grows with them holds the peak, so each variant is simulated at the two ``--leng
 through them gives what each more token adds, per unit of hidden (``B/token/hidden``), and the longest pack
 under 80 GiB and 141 GB (131.3 GiB); host memory (2 TiB per node) limits every row. Below about 512k
 tokens per GPU the tiled layer's peak (with offloaded inputs) is set by another part of the step than the
-one that grows fastest, and a line through two such lengths promises far too much: through 128k and 256k,
-10.4 bytes per token per unit of hidden and 1,792k tokens on 80 GB, where from 1M to 2M the step grows by
-15.9 and 1,792k does not fit. The 8-GPU rows are simulated with ``sequence_parallel_size = 8`` (rank 0 of
+one that grows fastest, and a line through two such lengths promises too much. The 8-GPU rows are simulated with ``sequence_parallel_size = 8`` (rank 0 of
 the group: its slice, and the all-to-all buffers), one process per line. Takes about 4 minutes per model on
 two shared cores.
 
@@ -31,8 +29,7 @@ Every model runs the settings of ``configs/llama3_8b_768k_1gpu.toml``; every one
 RoPE overrides (``model.config_overrides``, YaRN for Llama's window), at their checkpoint's own RoPE, which
 holds the same memory. A cell where the run refuses the model in that variant, or its step fails, holds the
 reason instead of a length. gpt-oss's attention sinks run on a GPU in FlashAttention 4, which has no
-stand-in: its rows hold FlashAttention 2's buffers (``longalign.simulate.kernel_stand_in``), and its
-sinks do not follow sequence parallelism's split of the heads (its 8-GPU cells hold the error). Gemma 3's
+stand-in: its rows hold FlashAttention 2's buffers (``longalign.simulate.kernel_stand_in``). Gemma 3's
 published config is the multimodal class, which longalign does not refuse but the simulation cannot yet
 build on fake tensors (its cells hold the error).
 """
