@@ -459,6 +459,33 @@ def test_per_kv_head_calls_each_kernel_s_backward_on_its_kept_out_and_lse(kernel
         assert relative_error(a, b) <= BF16_BOUND, f"{name}: {relative_error(a, b):.3g}"
 
 
+def test_kept_attention_hands_each_kernel_s_backward_what_its_forward_kept(kernel):
+    """``keeping_attention``, as the tiled layer's ``keep_attention`` runs it: the forward (no autograd)
+    records each group's ``out`` and ``softmax_lse``, which go to host memory and back (copies); the call
+    in backward is handed them and runs no forward, and the kernel's backward (the stand-in checks their
+    shapes, dtypes and layout) takes them: values and gradients as sdpa_segments' in float64."""
+    from longalign.attention import keeping_attention
+
+    backend = STOOD_IN[kernel]
+    lengths = [1, 9, 1, 30, 4, 1]
+    q, k, v, cu_seqlens = pack(lengths, 8, 2)
+    cotangent = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(q.dtype)
+    options = {"cu_seqlens": cu_seqlens, "max_seqlen": 30, "window": 5}
+    kept: list = []
+    with kept_kernel_calls(backend) as calls:
+        with torch.no_grad(), keeping_attention("record", kept):
+            varlen_attention(q, k, v, backend=backend, per_kv_head=True, **options)
+        kept = [(out.clone(), [lse.clone() for lse in lses]) for out, lses in kept]  # host and back
+        with keeping_attention("replay", kept):
+            got = values_and_grads(q, k, v, cotangent, backend=backend, per_kv_head=True, **options)
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    want = values_and_grads(q64, k64, v64, cotangent.double(), backend="sdpa_segments", **options)
+    assert calls == ["forward", "forward", "backward", "backward"] and not kept
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        assert a.dtype == torch.bfloat16, name
+        assert relative_error(a, b) <= BF16_BOUND, f"{name}: {relative_error(a, b):.3g}"
+
+
 def test_per_kv_head_calls_fa4_s_forward_and_backward_as_their_pinned_signatures_take_them(monkeypatch):
     """FlashAttention 4's ``_flash_attn_fwd`` (asked for its lse) and ``_flash_attn_bwd`` (given it, and the
     float32 sinks), bound to the pinned release's parsed signatures, stood in for by longalign's CPU kernel
