@@ -209,7 +209,8 @@ def _sinks_of_this_rank(sinks: torch.Tensor, heads: int) -> torch.Tensor:
     the group is the whole one, as for every other parameter."""
     if not torch.distributed.is_initialized() or sinks.shape[0] % heads:
         return sinks  # varlen_attention says what is wrong
-    from .sequence_parallel import group_of_this_rank
+    # The group DeepSpeed built for the exchange (longalign.patch.sequence_parallel.wrap).
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
 
-    rank = torch.distributed.get_rank(group_of_this_rank())
+    rank = torch.distributed.get_rank(parallel_state_sp.get_sequence_parallel_group())
     return sinks[rank * heads : (rank + 1) * heads]
