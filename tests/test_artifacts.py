@@ -5,10 +5,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -175,8 +177,12 @@ def pre_tokenize_at_work(tmp_path: Path, num_proc: int) -> Iterator[subprocess.P
     (with ``num_proc`` > 1, in each of its tokenizer workers); every process of it ends after."""
     signs = tmp_path / "signs"
     signs.mkdir()
-    env = {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
     (tmp_path / "tmp").mkdir()
+    # $TMPDIR is tmp_path/tmp, reached through a short link: the workers' pool binds a Unix socket under it,
+    # whose path may hold 107 characters, which a deep pytest base directory passes.
+    short = Path(tempfile.mkdtemp(prefix="la-"))
+    (short / "t").symlink_to(tmp_path / "tmp")
+    env = {**os.environ, "TMPDIR": str(short / "t")}
     process = subprocess.Popen(
         [sys.executable, "-c", _HELD_PRE_TOKENIZE, str(signs), "--input", str(SAMPLE), "--tokenizer",
          str(TOKENIZER), "--output", str(tmp_path / "tok"), "--max-seq-len", "4096", "--num-proc", str(num_proc)],
@@ -194,6 +200,7 @@ def pre_tokenize_at_work(tmp_path: Path, num_proc: int) -> Iterator[subprocess.P
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         process.communicate()
+        shutil.rmtree(short)  # the link, not what it points to
 
 
 def gone_within(session: int, seconds: float) -> list[int]:
