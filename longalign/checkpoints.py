@@ -17,12 +17,10 @@ module finds the checkpoint, reads and writes its files, and builds the rank fil
 from __future__ import annotations
 
 import base64
-import contextlib
 import json
-import logging
 import re
 import shutil
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,6 +40,7 @@ from longalign.chatglm_layout import (
     override_chatglm_config,
     to_chatglm,
 )
+from longalign.config import rope_warnings
 from longalign.errors import ConfigError, ModelError, PathError, did_you_mean
 
 if TYPE_CHECKING:
@@ -198,10 +197,10 @@ def override_config(
     # Built with the checkpoint's window first: transformers fills in what a RoPE type needs from
     # max_position_embeddings (a scaled RoPE's original window), and that must be the checkpoint's.
     settings["max_position_embeddings"] = config.max_position_embeddings
-    with _rope_warnings():  # said again below, where the window is the new one
+    with rope_warnings():  # said again below, where the window is the new one
         staged = _built(type(config), settings)
     window = plain.get("max_position_embeddings", config.max_position_embeddings)
-    with _rope_warnings() as warned:  # the whole config validated again, with its new window
+    with rope_warnings() as warned:  # the whole config validated again, with its new window
         built = _built(type(config), staged.to_dict() | {"max_position_embeddings": window})
     if warned:
         raise ConfigError(f"model.config_overrides.rope_parameters: {warned[0]}")
@@ -259,28 +258,6 @@ def _built(cls: type[PretrainedConfig], settings: dict[str, Any]) -> PretrainedC
     except (KeyError, ValueError, TypeError) as err:  # KeyError: a rope type without a key it needs
         text = err.args[0] if isinstance(err, KeyError) and err.args else err  # a KeyError's str is quoted
         raise ConfigError(f"model.config_overrides: {(str(text).strip().splitlines() or [''])[0]}") from None
-
-
-@contextlib.contextmanager
-def _rope_warnings() -> Iterator[list[str]]:
-    """What transformers' RoPE validation warns about while the block runs (it warns, we refuse)."""
-    logger = logging.getLogger("transformers.modeling_rope_utils")
-    caught: list[str] = []
-
-    class Catch(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            caught.append(record.getMessage())
-
-    handler, level, propagate = Catch(logging.WARNING), logger.level, logger.propagate
-    logger.addHandler(handler)
-    logger.setLevel(logging.WARNING)  # also when transformers' verbosity hides warnings
-    logger.propagate = False  # said once, as the error
-    try:
-        yield caught
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-        logger.propagate = propagate
 
 
 def overrides_record(overrides: Mapping[str, Any], save_format: str) -> dict[str, Any]:
@@ -377,6 +354,12 @@ def load_model(
     if checkpoint.layout == NATIVE:
         from transformers import AutoModelForCausalLM
 
+        if "quantization_config" not in kwargs and _quant_method(checkpoint.config) == "mxfp4":
+            # MXFP4 experts (gpt-oss as published) cannot train, and their kernels come from the hub: the weights
+            # are dequantized to ``dtype`` as they load
+            from transformers import Mxfp4Config
+
+            kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
         return AutoModelForCausalLM.from_pretrained(
             name,
             **({"config": config} if config is not None else {}),
@@ -389,6 +372,12 @@ def load_model(
     config = config or glm_config(checkpoint.config, f"{name}/config.json")
     state = native_weights(read_weights(checkpoint.path), checkpoint.config, config, name=name)
     return GlmForCausalLM.from_pretrained(None, config=config, state_dict=state, dtype=dtype, **kwargs)
+
+
+def _quant_method(config: Mapping[str, Any] | None) -> str | None:
+    """The ``quant_method`` of a checkpoint's ``config.json`` (``"mxfp4"``, ``"bitsandbytes"``...), or None."""
+    quantization = (config or {}).get("quantization_config")
+    return quantization.get("quant_method") if isinstance(quantization, Mapping) else None
 
 
 def layout_note(name: str, *, trust_remote_code: bool = False, save_format: str = "auto") -> str | None:

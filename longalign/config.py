@@ -36,12 +36,14 @@ every_steps=50``). ``Config.sources`` says where every setting came from.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import logging
 import sys
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -274,6 +276,28 @@ def check_config_overrides(overrides: Mapping[str, Any], model_type: str) -> Non
     _check_model_settings({"model_type": model_type, **rest}, where="model.config_overrides")
 
 
+@contextlib.contextmanager
+def rope_warnings() -> Iterator[list[str]]:
+    """What transformers' RoPE validation warns about while the block runs (it warns, we refuse)."""
+    logger = logging.getLogger("transformers.modeling_rope_utils")
+    caught: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            caught.append(record.getMessage())
+
+    handler, level, propagate = Catch(logging.WARNING), logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.WARNING)  # also when transformers' verbosity hides warnings
+    logger.propagate = False  # said once, as the error
+    try:
+        yield caught
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate
+
+
 def _check_model_settings(settings: Mapping[str, Any], where: str = "model.init_from_config") -> None:
     """``init_from_config`` keys must mean something to the model type's config: a typo is an error.
 
@@ -292,8 +316,10 @@ def _check_model_settings(settings: Mapping[str, Any], where: str = "model.init_
             + did_you_mean(str(settings["model_type"]), list(CONFIG_MAPPING))
         )
     try:
-        fresh = AutoConfig.for_model(settings["model_type"])
-        built = AutoConfig.for_model(settings["model_type"], **rest)
+        # Its RoPE validated against the type's defaults, not the checkpoint's: what it warns is not said
+        with rope_warnings():
+            fresh = AutoConfig.for_model(settings["model_type"])
+            built = AutoConfig.for_model(settings["model_type"], **rest)
     except (ValueError, TypeError, KeyError) as err:
         text = err.args[0] if isinstance(err, KeyError) and err.args else err  # a KeyError's str is quoted
         message = (str(text).strip().splitlines() or [type(err).__name__])[0]

@@ -838,3 +838,41 @@ def test_a_chatglm_window_too_short_for_the_samples_names_what_the_layout_can_ho
         '"yarn", factor = 2.0 } with model.save_format = "native", or leave the longer samples out '
         "(data.max_seq_len_filter = 2048)"
     )
+
+
+def test_mxfp4_experts_load_dequantized_for_training(tmp_path, monkeypatch):
+    """gpt-oss as published: MXFP4 experts (blocks of 4-bit values, a power-of-two scale per 32). Even where
+    MXFP4's kernels would run (Triton and the ``kernels`` package present, as on a GPU), the experts load as
+    trainable bf16 weights, each the dequantized value of its blocks, and no kernel is fetched from the hub."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    from transformers.quantizers import quantizer_mxfp4
+
+    torch.manual_seed(0)
+    config = GptOssConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+    )  # fmt: skip
+    GptOssForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    state = load_file(tmp_path / "bf16" / "model.safetensors")
+    packed = {}
+    for key in [key for key in state if key.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, inputs, outputs = state.pop(key).shape
+        blocks = torch.randint(0, 256, (experts, outputs, inputs // 32, 16), dtype=torch.uint8)
+        scales = torch.randint(124, 130, (experts, outputs, inputs // 32), dtype=torch.uint8)
+        state[f"{key}_blocks"], state[f"{key}_scales"], packed[key] = blocks, scales, (blocks, scales)
+    (tmp_path / "mxfp4").mkdir()
+    save_file(state, tmp_path / "mxfp4" / "model.safetensors", metadata={"format": "pt"})
+    published = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    published["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]}
+    (tmp_path / "mxfp4" / "config.json").write_text(json.dumps(published))
+    monkeypatch.setattr(quantizer_mxfp4, "is_triton_available", lambda *args, **kwargs: True)
+    monkeypatch.setattr(quantizer_mxfp4, "is_kernels_available", lambda *args, **kwargs: True)
+
+    model = load_model(str(tmp_path / "mxfp4"), dtype=torch.bfloat16)
+    weights = dict(model.named_parameters())
+    assert not getattr(model, "is_quantized", False)
+    for key, (blocks, scales) in packed.items():
+        assert weights[key].dtype == torch.bfloat16 and weights[key].requires_grad, key
+        assert torch.equal(weights[key], convert_moe_packed_tensors(blocks, scales)), key

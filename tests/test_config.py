@@ -236,6 +236,7 @@ SHIPPED = {
     "llama3_8b_512k_1gpu.toml": (524288, 1),
     "llama3_8b_1m_1gpu.toml": (1048576, 1),
     "llama3_8b_2m_h200.toml": (2097152, 1),
+    "gpt_oss_20b_1m_1gpu.toml": (1048576, 1),
 }
 
 
