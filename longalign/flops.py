@@ -166,9 +166,12 @@ class StepFlops:
     """
 
     def __init__(self) -> None:
+        import torch
         from torch.utils.flop_counter import FlopCounterMode
 
-        self.mode = FlopCounterMode(display=False)
+        # A mixture of experts' grouped products (transformers' default experts), which torch does not count
+        grouped = {torch.ops.aten._grouped_mm: grouped_mm_flops}
+        self.mode = FlopCounterMode(display=False, custom_mapping=grouped)
         # The total alone: its module tracker, which attributes FLOPs to modules, hooks the backward of every
         # module's inputs and fails on the tiled loops' recomputed ones (requiring grad, without a grad_fn).
         self.mode.mod_tracker = _GlobalOnly()
@@ -225,6 +228,20 @@ class StepFlops:
                 after = self.totals()
                 for key in self.skipped:
                     self.skipped[key] += (weight - 1) * (after[key] - before[key])
+
+
+def grouped_mm_flops(a_shape, b_shape, *args, **kwargs) -> int:
+    """FLOPs of ``torch._grouped_mm(a, b, offs)``: each row of ``a`` times the ``b`` of its group, 2 per
+    multiply-add. ``a`` ``[rows, k]`` by ``b`` ``[groups, k, n]`` (the experts' forward), ``[k, rows]`` by
+    ``[rows, n]`` into ``[groups, k, n]`` (their weights' gradient, ``k`` here the contracted rows),
+    ``[groups, m, k]`` by ``[k, n]``, or batched ``[groups, m, k]`` by ``[groups, k, n]``.
+
+    >>> grouped_mm_flops((10, 4), (3, 4, 5)), grouped_mm_flops((4, 10), (10, 5)), grouped_mm_flops((3, 2, 4), (3, 4, 5))
+    (400, 400, 240)
+    """
+    rows, inner, columns = a_shape[-2], a_shape[-1], b_shape[-1]
+    groups = a_shape[0] if len(a_shape) == 3 and len(b_shape) == 3 else 1
+    return 2 * groups * rows * inner * columns
 
 
 class _GlobalOnly:

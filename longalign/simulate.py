@@ -649,11 +649,12 @@ def fake_process_group(size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _extrapolate(low: Counted, high: Counted, steps: int) -> Counted:
-    """``high`` plus ``steps`` times what one more layer added from ``low`` to ``high``."""
+def _extrapolate(low: Counted, high: Counted, steps: int, attention_steps: float) -> Counted:
+    """``high`` plus ``steps`` times what one more layer added from ``low`` to ``high``; its attention FLOPs
+    ``attention_steps`` times (the layers left differ from the last one counted in their windows)."""
 
-    def line(a: float, b: float) -> int:
-        return int(b + steps * (b - a))
+    def line(a: float, b: float, times: float = steps) -> int:
+        return int(b + times * (b - a))
 
     return Counted(
         peak=line(low.peak, high.peak),
@@ -661,7 +662,12 @@ def _extrapolate(low: Counted, high: Counted, steps: int) -> Counted:
         part_peaks={p: line(low.part_peaks[p], high.part_peaks[p]) for p in PARTS},
         host=line(low.host, high.host),
         seconds=low.seconds + high.seconds,
-        flops=None if high.flops is None else {k: line(low.flops[k], high.flops[k]) for k in high.flops},
+        flops=None
+        if high.flops is None
+        else {
+            key: line(low.flops[key], high.flops[key], attention_steps if key == "attention" else steps)
+            for key in high.flops
+        },
     )
 
 
@@ -700,7 +706,7 @@ def simulate_lengths(cfg, lengths: list[int], setup: Setup) -> list[dict[str, An
         sizes = _full_sizes(cfg, model, counted_layers, depth, parameter_sizes)
         layer_bytes = _layer_bytes(model)
         largest = _largest_module_bytes(model)
-        parameters = _multiplied_parameters(model, sizes)
+        parameters = _multiplied_parameters(model, sizes, counted_layers, depth)
         rows = []
         window = getattr(text, "max_position_embeddings", None)
         for length in lengths:
@@ -717,7 +723,9 @@ def simulate_lengths(cfg, lengths: list[int], setup: Setup) -> list[dict[str, An
                 finally:
                     layers.append(last)
                     _set_layers(model, counted_layers)
-                counted = _extrapolate(low, high, depth - counted_layers)
+                pairs = _layer_pairs(text, pack["seq_lens"])
+                more_attention = sum(pairs[counted_layers:]) / max(pairs[counted_layers - 1], 1)
+                counted = _extrapolate(low, high, depth - counted_layers, more_attention)
             else:
                 counted = high
             tokens = batch["input_ids"].shape[-1]
@@ -737,32 +745,54 @@ def simulate_lengths(cfg, lengths: list[int], setup: Setup) -> list[dict[str, An
     return rows
 
 
-def _multiplied_parameters(model: torch.nn.Module, sizes: Mapping[str, int]) -> int:
-    """The whole model's parameters less the input embedding's, which is looked up, not multiplied (unless
-    the head shares it)."""
+def _multiplied_parameters(model: torch.nn.Module, sizes: Mapping[str, int], counted: int, depth: int) -> int:
+    """The parameters a token is multiplied by, over the whole model: all of them but the input embedding,
+    which is looked up (unless the head shares it), and but the experts a token is not routed to: of a
+    mixture of experts' weights (``[experts, ...]``, as transformers keeps them), ``top_k`` in ``experts``."""
     embedding = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
     shared = head is not None and head.weight is embedding
-    return sizes["parameters"] - (0 if shared else embedding.numel())
+    top_k = getattr(model.config.get_text_config(), "num_experts_per_tok", None)
+    idle = _idle_expert_parameters(model, top_k) if isinstance(top_k, int) else 0
+    if idle and counted < depth:
+        idle += (depth - counted) * _idle_expert_parameters(_decoder_layers(model)[-1], top_k)
+    return sizes["parameters"] - (0 if shared else embedding.numel()) - idle
+
+
+def _idle_expert_parameters(module: torch.nn.Module, top_k: int) -> int:
+    """The expert weights in ``module`` that a token routed to ``top_k`` experts does not use (a router's
+    ``[experts, hidden]`` weight is used by every token: only 3-D weights are experts')."""
+    idle = 0
+    for experts in module.modules():
+        count = getattr(experts, "num_experts", None)
+        if not isinstance(count, int) or count <= top_k:
+            continue
+        for weight in experts.parameters(recurse=False):
+            if weight.dim() == 3 and weight.shape[0] == count:
+                idle += weight.numel() * (count - top_k) // count
+    return idle
 
 
 def _model_flops(text, seq_lens: list[int], parameters: int, packs: float) -> float:
     """Model FLOPs of ``packs`` packs of ``seq_lens``, each layer's attention within its window, if any."""
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    depth = text.num_hidden_layers
-    kinds = getattr(text, "layer_types", None) or ["full_attention"] * depth
-    window = getattr(text, "sliding_window", None)
-    pairs = sum(causal_pairs(seq_lens, window if kind == "sliding_attention" else None) for kind in kinds)
     return packs * model_flops(
         parameters=parameters,
         tokens=sum(seq_lens),
-        pairs=pairs,
+        pairs=sum(_layer_pairs(text, seq_lens)),
         layers=1,  # the pairs are summed over the layers already
         heads=heads,
         qk_dim=head_dim,
         v_dim=head_dim,
     )
+
+
+def _layer_pairs(text, seq_lens: list[int]) -> list[int]:
+    """Each layer's causal pairs over samples of ``seq_lens``: a sliding-window layer's within its window."""
+    kinds = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+    window = getattr(text, "sliding_window", None)
+    return [causal_pairs(seq_lens, window if kind == "sliding_attention" else None) for kind in kinds]
 
 
 def timed(counted: Counted, *, model_flops: float, tokens: float, setup: Setup) -> dict[str, Any]:

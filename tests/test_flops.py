@@ -92,6 +92,49 @@ def test_the_simulated_matmuls_are_those_torch_counts_on_a_real_step():
     assert row["executed_matmul_flops"] == pytest.approx(6 * parameters * 256 + 2 * layers * 256, rel=0.05)
 
 
+def tiny_moe():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+    )  # fmt: skip
+    return Qwen3MoeForCausalLM(config)
+
+
+def test_a_mixture_of_experts_grouped_products_are_counted():
+    """transformers runs the experts as grouped products (``torch._grouped_mm``), which torch's counter
+    does not count: counted here, each of the 128 tokens through its 2 experts' gate/up (64 -> 2 x 32) and
+    down (32 -> 64) projections, forward and backward (3 x 2 FLOPs a multiply-add), in 2 layers."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model, tokens = tiny_moe(), torch.randint(0, 64, (1, 128))
+    with FlopCounterMode(display=False) as dense_only:
+        model(tokens).logits.sum().backward()
+    with StepFlops() as flops:
+        model(tokens).logits.sum().backward()
+    experts = 2 * 3 * 2 * 128 * 2 * (64 * 64 + 32 * 64)
+    assert flops.totals()["matmul"] == dense_only.get_total_flops() + experts
+
+
+def test_the_model_flops_of_a_mixture_of_experts_count_the_routed_experts_only():
+    """6 x parameters x tokens counts the experts a token is routed to (2 of 8), the router and the rest
+    whole, and not the input embedding; a model of 1 built layer scaled to 2 counts as the 2-layer one."""
+    from longalign.simulate import _multiplied_parameters
+
+    model = tiny_moe()
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    embedding = model.get_input_embeddings().weight.numel()
+    active = total - embedding - experts * 6 // 8
+    assert _multiplied_parameters(model, {"parameters": total}, 2, 2) == active
+    one_layer = sum(p.numel() for p in model.model.layers[-1].parameters())
+    del model.model.layers[-1]
+    assert _multiplied_parameters(model, {"parameters": total}, 1, 2) == active
+    assert total - one_layer == sum(p.numel() for p in model.parameters())
+
+
 def test_step_time_tokens_per_second_and_gpu_hours():
     """2 PFLOP executed on an H100 at half its 989.4 TFLOP/s: 4.043 s; 65,536 tokens a step per GPU; a run of
     1B tokens over 2 epochs, at that rate, 2e9 / (65,536 / 4.04 s) / 3600 GPU-hours."""

@@ -141,3 +141,24 @@ def test_the_verdict_says_by_how_much_in_one_line():
         "1m: peak 82.00 GiB per GPU does not fit 80.00 GiB (2.00 GiB over); host 1.00 TiB per node fits 2.00 TiB "
         "(1.00 TiB left)"
     )
+
+
+def test_a_model_counted_on_two_layers_executes_the_flops_of_all_its_layers():
+    """gpt-oss's layers alternate a sliding window of 64 tokens with full attention: counted on its first two
+    layers (window, full) and extrapolated to 6, the step executes the FLOPs of the 6 layers counted one
+    by one (the attention of each layer left at its own window, not the last counted layer's)."""
+    kinds = ["sliding_attention", "full_attention"] * 3
+    model = (
+        "model.init_from_config={model_type='gpt_oss', vocab_size=4096, hidden_size=64, intermediate_size=64, "
+        "num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, "
+        f"num_experts_per_tok=2, sliding_window=64, layer_types={kinds}, bos_token_id=4088, "
+        "eos_token_id=4092, pad_token_id=4093}"
+    )
+    cfg = load_config(DEMO, [*CHECKPOINTING, model, "model.torch_dtype='bfloat16'"])
+    rows = {
+        full_depth: simulate_lengths(cfg, [1500], Setup(kernel="flash_attn_2", full_depth=full_depth))[0]
+        for full_depth in (False, True)
+    }
+    for key in ("executed_matmul_flops", "executed_attention_flops", "model_flops"):
+        assert rows[False][key] == pytest.approx(rows[True][key], rel=1e-6), key
+    assert rows[True]["executed_attention_flops"] > 0
