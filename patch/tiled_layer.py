@@ -35,9 +35,14 @@ call's output and log-sum-exps, :func:`longalign.attention.keeping_attention`) a
 4. the attention call's backward: q's, k's, v's gradients (and a sink's);
 5. every tile's first pass once more, differentiated into the tile's input and the parameters.
 
-So per step each token-wise part runs in forward and once in backward, the q/k/v projections twice;
-transformers' activation checkpointing does not wrap a tiled layer (its checkpointing function runs the
-layer as it is), which would recompute all of it once more. The tensors that span the micro-batch exist
+Steps 3 and 5 differentiate passes whose outputs' values backward never reads; a linear product whose
+output only such steps follow computes nothing there (:class:`_ValuelessProduct`: zeros in forward, the
+product's backward): the down projection before the residual sum in step 3, q/k/v projections before
+RoPE in step 5 (found once per layer on one token, :func:`_valueless_linears`). So per step each
+token-wise part runs in forward and once in backward, as under activation checkpointing (whose recompute
+skips the down projection: torch stops it at the last tensor backward needs); transformers' activation
+checkpointing does not wrap a tiled layer (its checkpointing function runs the layer as it is), which
+would recompute all of it once more. The tensors that span the micro-batch exist
 only while the layer's backward runs: q, k, v, the attention output, the kept children's outputs, their
 gradients, and the input's gradient, which is written over the incoming gradient (:func:`_reusable`) as
 each tile's second pass has read its tile; the input itself is let go during step 4 (offloaded, it is
@@ -71,6 +76,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from transformers.integrations import is_deepspeed_zero3_enabled
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -330,6 +336,65 @@ class _LayerCall:
         names = {id(child): name for name, child in self.attention["module"].named_children()}
         return frozenset(names[id(module)] for module, leaf in leaves if id(leaf) in reached)
 
+    @property
+    def valueless_after(self) -> frozenset | None:
+        return getattr(self.layer, "tiling_valueless_after", None)
+
+    @property
+    def valueless_before(self) -> frozenset | None:
+        return getattr(self.layer, "tiling_valueless_before", None)
+
+    def find_valueless_after(
+        self, leaves: list, handed: list, attended: torch.Tensor, trained: list, start: int
+    ) -> None:
+        """Which linear products of the second pass backward needs no output of (the down projection that
+        only a residual sum follows, say), found on the first token of a tile (``leaves``: the tile's leaf
+        inputs, the hidden states first; ``handed``: its children's outputs; ``attended``: its attention
+        output tile). Kept on the layer: once per layer."""
+        tokens = slice(0, 1)
+
+        def first_token(out: torch.Tensor) -> torch.Tensor:
+            return out[:, tokens] if tuple(out.shape[:2]) == tuple(attended.shape[:2]) else out
+
+        one = [leaf[:, tokens].detach().clone().requires_grad_(leaf.requires_grad) for leaf in leaves]
+        self.leaves = {id(whole): leaf for whole, leaf in zip(self.graded, one[1:], strict=True)}
+        children = [
+            (
+                module,
+                out.first_token(tuple(attended.shape[:2]))
+                if isinstance(out, _Unread)
+                else first_token(out).detach().clone().requires_grad_(),
+            )
+            for module, out in handed
+        ]
+        attended = first_token(attended).detach().clone().requires_grad_()
+        inputs = [attended, *(out for _, out in children if not isinstance(out, _Unread)), *one, *trained]
+
+        def run() -> tuple[list, list]:
+            _drawing(self, attended.device, ("after", 0), True)
+            y, recorded = self.after(one[0], start, start + 1, children, attended)
+            return [y, *(t for t in recorded if t.requires_grad)], [t for t in inputs if t.requires_grad]
+
+        self.layer.tiling_valueless_after = _valueless_linears(self.layer, run)
+
+    def find_valueless_before(self, leaves: list, trained: list, start: int) -> None:
+        """Which linear products of the first pass backward needs no output of (q/k/v projections that only
+        RoPE and reshapes follow before the attention call), found on the first token of a tile. Kept on the
+        layer: once per layer."""
+        one = [leaf[:, 0:1].detach().clone().requires_grad_(leaf.requires_grad) for leaf in leaves]
+        self.leaves = {id(whole): leaf for whole, leaf in zip(self.graded, one[1:], strict=True)}
+        read = self.layer.tiling_read_children
+        names = {id(child): name for name, child in self.attention["module"].named_children()}
+
+        def run() -> tuple[list, list]:
+            _drawing(self, one[0].device, ("before", 0), True)
+            qkv, children = self.before(one[0], start, start + 1)
+            outputs = [*qkv, *(out for module, out in children if names[id(module)] in read)]
+            inputs = [*one, *trained]
+            return [t for t in outputs if t.requires_grad], [t for t in inputs if t.requires_grad]
+
+        self.layer.tiling_valueless_before = _valueless_linears(self.layer, run)
+
     def kernel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The attention call on the whole ``q, k, v [B, heads, T, D]`` -> ``[B, T, heads, D]``."""
         call = self.attention
@@ -490,6 +555,148 @@ def _handing_back(cached: list) -> Iterator[None]:
                 module.forward = own[key]
 
 
+class _ValuelessProduct(torch.autograd.Function):
+    """``nn.Linear``'s product in a differentiated recompute whose output no backward reads: its forward
+    returns zeros of the output's shape and dtype (no product is computed), its backward is the linear's."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        device = x.device.type
+        ctx.dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.save_for_backward(x, weight)
+        return x.new_zeros((*x.shape[:-1], weight.shape[0]), dtype=ctx.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad = grad.to(ctx.dtype)
+        rows = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (grad @ weight.to(ctx.dtype)).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_weight = (rows.t() @ x.reshape(-1, x.shape[-1]).to(ctx.dtype)).to(weight.dtype)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            grad_bias = rows.sum(0).to(ctx.bias_dtype)
+        return grad_x, grad_weight, grad_bias
+
+
+@contextlib.contextmanager
+def _valueless(layer: nn.Module, names: frozenset | None) -> Iterator[None]:
+    """Within the block, the linear modules ``names`` of ``layer`` compute no product in forward
+    (:class:`_ValuelessProduct`)."""
+    modules = [layer.get_submodule(name) for name in sorted(names or ())]
+    own = [module.__dict__.get("forward") for module in modules]
+    for module in modules:
+        module.forward = functools.partial(_valueless_forward, module)
+    try:
+        yield
+    finally:
+        for module, forward in zip(modules, own, strict=True):
+            if forward is None:
+                del module.forward
+            else:
+                module.forward = forward
+
+
+def _valueless_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return _ValuelessProduct.apply(x, module.weight, module.bias)
+
+
+def _valueless_linears(layer: nn.Module, run: Callable[[], tuple[list, list]]) -> frozenset:
+    """The names of ``layer``'s ``nn.Linear`` modules whose outputs no backward of ``run``'s outputs reads.
+
+    ``run()`` runs a differentiated pass of one token and returns its outputs and the inputs to
+    differentiate. A product's output is unread when every node of the autograd graph between the outputs
+    and it keeps no tensor that needs a gradient (a residual sum, reshapes, RoPE's products with cos and
+    sin: what they keep is not computed from it). Checked once more by running the pass with those
+    products valueless: the gradients must be equal, bit for bit, or none is taken (a simulated step on
+    fake tensors, which have no values, takes what the graph shows). Subclasses of
+    ``nn.Linear`` (quantized ones) are never taken."""
+    names = {id(module): name for name, module in layer.named_modules() if type(module) is nn.Linear}
+    outputs: list = []
+
+    def hook(module: nn.Module, inputs: Any, output: Any) -> None:
+        if id(module) in names and isinstance(output, torch.Tensor):
+            outputs.append((names[id(module)], output))
+
+    handle = torch.nn.modules.module.register_module_forward_hook(hook)
+    kept_here = torch.autograd.graph.saved_tensors_hooks(_itself, _itself)  # not offloaded, not seen
+    try:
+        with torch.enable_grad(), kept_here:
+            targets, _ = run()
+    finally:
+        handle.remove()
+    taken = _unread_outputs(targets, outputs)
+    del targets
+    outputs.clear()
+    if not taken:
+        return frozenset()
+
+    def gradients(valueless: frozenset) -> tuple:
+        with torch.enable_grad(), kept_here, _valueless(layer, valueless):
+            targets, inputs = run()
+            grads = [_probe_gradient(t) for t in targets]
+            return torch.autograd.grad(targets, inputs, grads, allow_unused=True)
+
+    pairs = list(zip(gradients(frozenset()), gradients(taken), strict=True))
+    if any(is_fake(a) for a, _ in pairs if a is not None):
+        return taken  # a simulated step (fake tensors: no values to compare) takes what the graph shows
+    same = all(
+        (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b)) for a, b in pairs
+    )
+    return taken if same else frozenset()
+
+
+def _probe_gradient(tensor: torch.Tensor) -> torch.Tensor:
+    """A fixed, uneven incoming gradient for ``tensor`` (no random state drawn)."""
+    steps = torch.arange(tensor.numel(), device=tensor.device, dtype=torch.float32)
+    return steps.mul(0.7).sin().reshape(tensor.shape).to(tensor.dtype)
+
+
+def _unread_outputs(targets: list[torch.Tensor], outputs: list[tuple[str, torch.Tensor]]) -> frozenset:
+    """Of ``outputs`` (``(name, tensor)``), the names none of whose tensors a backward of ``targets`` reads:
+    reached from them only through nodes that keep no tensor needing a gradient."""
+    nodes: set = set()
+    reading: list = []
+    stack = [t.grad_fn for t in targets if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in nodes:
+            continue
+        nodes.add(node)
+        if _reads_values(node):
+            reading.append(node)
+        stack.extend(child for child, _ in node.next_functions)
+    below: set = set()  # nodes a value-reading node's gradient flows to
+    stack = [child for node in reading for child, _ in node.next_functions]
+    while stack:
+        node = stack.pop()
+        if node is None or node in below:
+            continue
+        below.add(node)
+        stack.extend(child for child, _ in node.next_functions)
+    read = {name for name, t in outputs if t.grad_fn not in nodes or t.grad_fn in below}
+    return frozenset(name for name, _ in outputs if name not in read)
+
+
+def _reads_values(node: Any) -> bool:
+    """Whether an autograd node keeps a tensor that needs a gradient (a value its backward reads that was
+    computed in the pass); one it cannot show counts as one."""
+    saved: list = []
+    try:
+        for attribute in dir(node):
+            if attribute.startswith("_saved_"):
+                value = getattr(node, attribute)
+                saved.extend(value if isinstance(value, tuple | list) else [value])
+        if hasattr(node, "saved_tensors"):  # an autograd Function's
+            saved.extend(node.saved_tensors)
+    except RuntimeError:
+        return True
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in saved)
+
+
 def _itself(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
@@ -503,6 +710,13 @@ class _Unread:
 
     def make(self) -> torch.Tensor:
         return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+
+    def first_token(self, tile: tuple) -> _Unread:
+        """The same for a tile's first token (``tile``: the tile's ``(batch, tokens)``)."""
+        one = _Unread.__new__(_Unread)
+        one.dtype, one.device = self.dtype, self.device
+        one.shape = (self.shape[0], 1, *self.shape[2:]) if tuple(self.shape[:2]) == tile else self.shape
+        return one
 
 
 def _reached_leaves(outputs: list[torch.Tensor]) -> set[int]:
@@ -731,7 +945,6 @@ class _TiledLayer(torch.autograd.Function):
             grad_attended = held[0]
             grad_cached: dict[int, list] = {}
             for index, start, stop in _tiles(call.length, call.count):
-                _drawing(call, device, ("after", index), True)
                 leaves = tile_leaves(x, start, stop)
                 attended_tile = attended[:, start:stop].detach().requires_grad_()
                 handed = [
@@ -739,7 +952,11 @@ class _TiledLayer(torch.autograd.Function):
                     for module, out in cached.pop(index)
                 ]
                 read = [out for _, out in handed if not isinstance(out, _Unread)]
-                with torch.enable_grad():
+                if call.valueless_after is None:
+                    call.find_valueless_after(leaves, handed, attended_tile, trained, start)
+                    leaves = tile_leaves(x, start, stop)
+                _drawing(call, device, ("after", index), True)
+                with torch.enable_grad(), _valueless(call.layer, call.valueless_after):
                     y, tile_recorded = call.after(leaves[0], start, stop, handed, attended_tile)
                 pairs = [(y, grad_out[:, start:stop])] + [
                     (t, call.part(g, layout, start, stop))
@@ -771,9 +988,12 @@ class _TiledLayer(torch.autograd.Function):
             x = ctx.saved_tensors[0]  # (with keep_attention the kept ones come back too, and go at once)
             # 4. Each tile before the call again, with gradients, into its inputs and the parameters.
             for index, start, stop in _tiles(call.length, call.count):
-                _drawing(call, device, ("before", index), True)
                 leaves = tile_leaves(x, start, stop)
-                with torch.enable_grad():
+                if call.valueless_before is None:
+                    call.find_valueless_before(leaves, trained, start)
+                    leaves = tile_leaves(x, start, stop)
+                _drawing(call, device, ("before", index), True)
+                with torch.enable_grad(), _valueless(call.layer, call.valueless_before):
                     tile_qkv, children = call.before(leaves[0], start, stop)
                 pairs = [
                     (t, g[..., start:stop, :])

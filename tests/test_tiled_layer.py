@@ -65,12 +65,13 @@ def test_every_family_s_tiled_layers_give_the_untiled_output_and_gradients(varia
         if "checkpointing" in switches:
             model.activation_checkpointing_enable()
         model.train()
-    seen: dict[str, list[int]] = {"q_proj": [], "o_proj": [], "mlp": []}
+    seen: dict[str, list[int]] = {"q_proj": [], "o_proj": [], "down_proj": [], "mlp": []}
     attention = next(m for name, m in tiled.named_modules() if name.endswith("layers.0.self_attn"))
+    down = first_mlp(tiled).down_proj
     # The projections' products, counted where they run (a tile's second pass hands q_proj's output back).
     weights = {
         id(getattr(module, "base_layer", module).weight): name
-        for name, module in (("q_proj", attention.q_proj), ("o_proj", attention.o_proj))
+        for name, module in (("q_proj", attention.q_proj), ("o_proj", attention.o_proj), ("down_proj", down))
     }
     linear = torch.nn.functional.linear
 
@@ -89,13 +90,21 @@ def test_every_family_s_tiled_layers_give_the_untiled_output_and_gradients(varia
     assert_relatively_close(got[0], want[0], FLOAT64_BOUND)
     assert_relatively_close(got[1:], want[1:], FLOAT64_BOUND)
     tiles = tile_count(IDS.numel(), TINY["hidden_size"], TILE_TOKENS)
-    # With checkpointing or without, each tile's o-projection and MLP run in forward and once in backward's
-    # recompute; its q/k/v projections once more, for q, k and v before the kernel's backward. The layer's
-    # first call runs one token after the call once more, to find which projections' outputs it reads there.
+    # With checkpointing or without, each tile's projections and MLP run in forward and once in backward, as
+    # checkpointing runs them: q/k/v for q, k and v before the kernel's backward, o-projection and MLP in
+    # the second pass, whose down projection computes no product (only the residual sum follows it), nor
+    # do q/k/v in the first pass differentiated (only RoPE and reshapes follow them). The layer's first call
+    # runs one token more to find which children's outputs it reads after the call, and which products'
+    # outputs no backward reads: once per pass, and once more with and once without those products where
+    # some are found (GLM-4's norm after the MLP reads the down projection's output: none after the call).
+    # Qwen3's per-head norm after q_proj reads its output (v_proj's is found: the passes run q_proj).
+    found, q_found = family != "glm4", family != "qwen3"
+    after = 1 + (3 if found else 1)  # one-token passes after the call
     assert {name: len(tokens) for name, tokens in seen.items()} == {
-        "q_proj": 3 * tiles,
-        "o_proj": 2 * tiles + 1,
-        "mlp": 2 * tiles + 1,
+        "q_proj": 2 * tiles + 2 if q_found else 3 * tiles + 3,
+        "o_proj": 2 * tiles + after,
+        "down_proj": tiles + after - 1 if found else 2 * tiles + after,
+        "mlp": 2 * tiles + after,
     }
     assert max(max(tokens) for tokens in seen.values()) <= TILE_TOKENS
     assert min(seen["mlp"]) == 1  # that token
@@ -365,3 +374,39 @@ def test_a_step_with_tiled_layers_is_the_step_without(variant):
     assert max(tiled["mlp_tokens"][0]) <= TILE_TOKENS  # the MLP ran in tiles of the layer
     if "adapters" in variant:
         assert any("self_attn.q_proj.lora_A" in name for name in tiled["update"])  # adapters trained
+
+
+class _Sums(torch.nn.Module):
+    """Three products: one only a residual sum follows, one a norm reads, and optionally a choice made on
+    the residual sum's values (which keeps no tensor that needs a gradient)."""
+
+    def __init__(self, choose: bool) -> None:
+        super().__init__()
+        self.free, self.normed, self.choose = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), choose
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        summed = x + self.free(x)
+        out = summed + torch.nn.functional.rms_norm(self.normed(x), (4,))
+        return out + torch.where(summed > 0, x, 0.0) if self.choose else out
+
+
+@pytest.mark.parametrize("choose", [False, True], ids=["sums", "a choice on the values"])
+def test_a_product_is_valueless_only_where_backward_reads_none_of_its_output(choose):
+    """The residual sum's product computes nothing, the normed one runs; when a choice is made on the sum's
+    values, the graph shows nothing but the check (the same gradients with the product's output zeros) does,
+    and every product runs. Where taken, the gradients are the module's own."""
+    torch.manual_seed(0)
+    block = _Sums(choose).double()
+    x = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    inputs = [x, *block.parameters()]
+
+    def run():
+        return [block(x)], inputs
+
+    taken = tiled_layer._valueless_linears(block, run)
+    assert taken == (frozenset() if choose else frozenset({"free"}))
+    grad = torch.randn(2, 3, 4, dtype=torch.float64)
+    want = torch.autograd.grad(block(x), inputs, grad)
+    with tiled_layer._valueless(block, taken):
+        got = torch.autograd.grad(block(x), inputs, grad)
+    assert_relatively_close(list(got), list(want), FLOAT64_BOUND)
