@@ -38,7 +38,10 @@ A model of L > 2 decoder layers is counted with 1 and with 2 of them and each pa
 adds exactly what each further one adds (its weights, gradients, optimizer states, and the input
 checkpointing keeps of it), while the peak stays in the last layer's backward and the loss; measured
 equal, part by part, to counting all 8 layers of an 8-layer model (checkpointing alone, tiled MLP, +
-offload). ``full_depth=True`` counts every layer.
+offload). Where the first F layers are built unlike the rest (the dense layers before the experts of
+GLM-4.5 and DeepSeek-V3, ``first_k_dense_replace``), it is counted with F + 1 and F + 2 layers instead,
+so that the layer the line adds is one of the rest; equal, part by part, to counting every layer of a
+4-layer model of GLM-4.5's shape (``tests/test_simulate.py``). ``full_depth=True`` counts every layer.
 
 The same step counts its FLOPs as it runs (``flops.StepFlops``): matrix products by torch's
 ``FlopCounterMode``, attention by the FlashAttention stand-in from each call's shapes and samples; the
@@ -126,7 +129,7 @@ class Setup:
     seed: int = 0
     full_depth: bool = False  # count every layer instead of extrapolating from counted_layers
     every_tile: bool = False  # run every tile of a tiled MLP or layer, not the distinct ones alone
-    counted_layers: int = 2  # a deeper model is counted with this many layers and one fewer
+    counted_layers: int = 2  # a deeper model is counted with this many of its repeated layers and one fewer
     sample_tokens: int | None = None  # packs of samples this long (the last one cut), not a synthetic mix
     throughput: Throughput | None = None  # the GPU and efficiency the step's time is for
     run_tokens: RunTokens | None = None  # the whole run's tokens, for its GPU-hours
@@ -427,6 +430,27 @@ def _settings_layers(settings: dict[str, Any], config, layers: int) -> None:
         target["layer_types"] = target["layer_types"][:layers]
 
 
+def _first_repeated_layer(config) -> int:
+    """The first decoder layer from which every layer is built alike (the same modules, the same parameter
+    shapes): 0 for most models, ``first_k_dense_replace`` for GLM-4.5 and DeepSeek-V3, whose first layers
+    have a dense MLP where the rest have experts. Read off the model built on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    kinds = [
+        (
+            [(name, type(module).__name__) for name, module in layer.named_modules()],
+            [(name, p.shape, p.dtype) for name, p in layer.named_parameters()],
+        )
+        for layer in _decoder_layers(model)
+    ]
+    first = len(kinds) - 1
+    while first > 0 and kinds[first - 1] == kinds[-1]:
+        first -= 1
+    return first
+
+
 def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -680,7 +704,8 @@ def simulate_lengths(cfg, lengths: list[int], setup: Setup) -> list[dict[str, An
     config = model_config(simulated_config(cfg))
     text = config.get_text_config()
     depth = text.num_hidden_layers
-    counted_layers = depth if setup.full_depth or depth <= setup.counted_layers else setup.counted_layers
+    counted_layers = depth if setup.full_depth else _first_repeated_layer(config) + setup.counted_layers
+    counted_layers = min(counted_layers, depth)
     split = cfg.training.sequence_parallel_size
     if setup.gpus % split:
         raise ConfigError(

@@ -12,13 +12,16 @@ from conftest import DEMO, ROOT, counted_real_steps, needs_deepspeed, run_proces
 
 from longalign.config import load_config
 from longalign.probe import parse_size
+from longalign.run import model_config
 from longalign.simulate import (
     Setup,
     SimulationError,
+    _first_repeated_layer,
     _kernel_buffers,
     format_simulation,
     kernel_for,
     simulate_lengths,
+    simulated_config,
 )
 
 LENGTHS = [512, 1024, 2048]
@@ -96,6 +99,28 @@ def test_running_only_the_distinct_tiles_counts_what_running_every_tile_counts(m
     assert distinct == every
     assert distinct["executed_matmul_flops"] > 0 and distinct["executed_attention_flops"] > 0
     assert ran_distinct * 7 == ran_every * 3
+
+
+# GLM-4.5's shape, small: a dense first layer (first_k_dense_replace), routed and shared experts in the rest,
+# their activations larger than the loss's; bf16, as grouped_mm takes it.
+GLM45_SHAPED = [
+    "model.init_from_config={model_type='glm4_moe', vocab_size=256, hidden_size=64, intermediate_size=64, "
+    "moe_intermediate_size=256, n_routed_experts=8, num_experts_per_tok=4, n_shared_experts=1, "
+    "first_k_dense_replace=1, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2}",
+    "model.torch_dtype='bfloat16'",
+    "loss.chunk_size=256",
+]
+
+
+def test_layers_unlike_the_rest_are_counted_and_the_rest_extrapolated():
+    """4 layers of GLM-4.5's shape, the first dense: counted with 2 and 3 layers and extrapolated to 4,
+    every part equal to counting all 4 (through the dense layer alone, the line multiplied the difference
+    between the two kinds of layer)."""
+    cfg = load_config(DEMO, [*CHECKPOINTING, *GLM45_SHAPED])
+    assert _first_repeated_layer(model_config(simulated_config(cfg))) == 1
+    rows = [simulate_lengths(cfg, [1024], Setup(full_depth=full))[0] for full in (False, True)]
+    extrapolated, counted = ({k: v for k, v in row.items() if k != "seconds"} for row in rows)
+    assert extrapolated == counted
 
 
 def test_the_kernel_stand_ins_allocate_what_the_kernels_sources_allocate():
