@@ -387,25 +387,23 @@ def kernel_stand_in(kernel: str, values: _Values, flops: StepFlops | None = None
 
 def simulated_config(cfg, layers: int | None = None):
     """``cfg`` building its model from the model's config alone (``init_from_config``, overrides applied),
-    with ``layers`` decoder layers if given, and without the engine settings the simulation does not run."""
-    from longalign.run import model_config, model_dtype
+    with ``layers`` decoder layers if given, and without the engine settings the simulation does not run.
 
-    try:
-        config = model_config(cfg)
-        dtype = model_dtype(cfg)
-    except Exception as err:  # a Hub id not in the cache, a config transformers cannot read
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise SimulationError(
-            f"model {cfg.model.model_name_or_path}: its config cannot be read here ({first})"
-        ) from None
+    A multimodal model's text model stands in for it (:func:`text_model_note`): its text config (Gemma 3's
+    ``text_config``, a ``gemma3_text`` model) builds the causal language model that a text-only fine-tune
+    trains."""
+    config, dtype = _read_config(cfg)
+    text = config.get_text_config()
     settings = {
         key: value
-        for key, value in config.to_dict().items()
+        for key, value in text.to_dict().items()
         if key not in ("architectures", "transformers_version", "_name_or_path", "torch_dtype", "dtype")
         and not key.startswith("_")
     }
-    if layers is not None:
-        _settings_layers(settings, config, layers)
+    if layers is not None:  # each per-layer list (gpt-oss's and Gemma 3's layer_types) held to the count
+        settings["num_hidden_layers"] = layers
+        if isinstance(settings.get("layer_types"), list):
+            settings["layer_types"] = settings["layer_types"][:layers]
     model = dataclasses.replace(cfg.model, config_overrides={}, torch_dtype=str(dtype).removeprefix("torch."))
     # Set after the dataclass's checks, which hold a user's init_from_config to its class's fields: these are
     # the checkpoint's own settings as transformers read them, keys its class does not declare included (the
@@ -417,17 +415,30 @@ def simulated_config(cfg, layers: int | None = None):
     return dataclasses.replace(cfg, model=model, training=training, eval_tasks=None)
 
 
-def _settings_layers(settings: dict[str, Any], config, layers: int) -> None:
-    """``layers`` decoder layers in ``settings`` (``config.to_dict()``'s): in the text config's own dict for a
-    multimodal config (Gemma 3's ``text_config``), and each per-layer list (``layer_types``: gpt-oss's
-    alternating sliding and full attention, Gemma 3's five sliding layers to one full) cut to its first
-    ``layers`` entries, which transformers holds to the layer count."""
+def _read_config(cfg):
+    """The model's transformers config and dtype, or the reason they cannot be read, in one line."""
+    from longalign.run import model_config, model_dtype
+
+    try:
+        return model_config(cfg), model_dtype(cfg)
+    except Exception as err:  # a Hub id not in the cache, a config transformers cannot read
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise SimulationError(
+            f"model {cfg.model.model_name_or_path}: its config cannot be read here ({first})"
+        ) from None
+
+
+def text_model_note(cfg) -> str | None:
+    """What the simulation builds instead of a multimodal model, in one line; ``None`` for a text model."""
+    config, _ = _read_config(cfg)
     text = config.get_text_config()
-    key = next((name for name, value in vars(config).items() if value is text), None)
-    target = settings if text is config or key is None else settings[key]
-    target["num_hidden_layers"] = layers
-    if isinstance(target.get("layer_types"), list):
-        target["layer_types"] = target["layer_types"][:layers]
+    if text is config:
+        return None
+    return (
+        f"the {config.model_type} model is simulated as its text model: its text config as a "
+        f"{text.model_type} model, what a text-only fine-tune trains; the weights outside it (a vision "
+        "tower, its projector) are not counted"
+    )
 
 
 def _first_repeated_layer(config) -> int:
@@ -701,10 +712,9 @@ def simulate_lengths(cfg, lengths: list[int], setup: Setup) -> list[dict[str, An
     from longalign.run import model_config, parameter_sizes
 
     kernel = kernel_for(cfg, setup.kernel)
-    config = model_config(simulated_config(cfg))
-    text = config.get_text_config()
+    text = model_config(simulated_config(cfg))  # the text model's config
     depth = text.num_hidden_layers
-    counted_layers = depth if setup.full_depth else _first_repeated_layer(config) + setup.counted_layers
+    counted_layers = depth if setup.full_depth else _first_repeated_layer(text) + setup.counted_layers
     counted_layers = min(counted_layers, depth)
     split = cfg.training.sequence_parallel_size
     if setup.gpus % split:
@@ -1122,6 +1132,9 @@ def run_simulation(
         f"simulated step of {source}: {setup.gpus} GPU(s), {engine}{offloaded}, sequence parallel "
         f"{cfg.training.sequence_parallel_size}, attention {KERNELS[kernel]}; per GPU, nothing computed"
     )
+    note = text_model_note(cfg)
+    if note:
+        say(note)
     start = time.perf_counter()
     rows = simulate_lengths(cfg, lengths, setup)
     say(format_simulation(rows, setup))

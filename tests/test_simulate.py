@@ -22,6 +22,7 @@ from longalign.simulate import (
     kernel_for,
     simulate_lengths,
     simulated_config,
+    text_model_note,
 )
 
 LENGTHS = [512, 1024, 2048]
@@ -121,6 +122,36 @@ def test_layers_unlike_the_rest_are_counted_and_the_rest_extrapolated():
     rows = [simulate_lengths(cfg, [1024], Setup(full_depth=full))[0] for full in (False, True)]
     extrapolated, counted = ({k: v for k, v in row.items() if k != "seconds"} for row in rows)
     assert extrapolated == counted
+
+
+def test_a_multimodal_model_is_simulated_as_its_text_model():
+    """Gemma 3's multimodal config: the step of its text config's gemma3_text model, byte for byte, said
+    in one line."""
+    text = (
+        "{model_type='gemma3_text', vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, "
+        "num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=64}"
+    )
+    vision = (
+        "{model_type='siglip_vision_model', hidden_size=32, intermediate_size=64, num_hidden_layers=1, "
+        "num_attention_heads=2, image_size=28, patch_size=14}"
+    )
+    multimodal = load_config(
+        DEMO,
+        [
+            *CHECKPOINTING,
+            f"model.init_from_config={{model_type='gemma3', text_config={text}, vision_config={vision}, "
+            "mm_tokens_per_image=4}",
+        ],
+    )
+    text_only = load_config(DEMO, [*CHECKPOINTING, f"model.init_from_config={text}"])
+    assert text_model_note(multimodal) == (
+        "the gemma3 model is simulated as its text model: its text config as a gemma3_text model, what a "
+        "text-only fine-tune trains; the weights outside it (a vision tower, its projector) are not counted"
+    )
+    assert text_model_note(text_only) is None
+    rows = [simulate_lengths(cfg, [1024], Setup())[0] for cfg in (multimodal, text_only)]
+    simulated, text_model = ({k: v for k, v in row.items() if k != "seconds"} for row in rows)
+    assert simulated == text_model
 
 
 def test_the_kernel_stand_ins_allocate_what_the_kernels_sources_allocate():
