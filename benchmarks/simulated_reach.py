@@ -30,8 +30,8 @@ RoPE overrides (``model.config_overrides``, YaRN for Llama's window), at their c
 holds the same memory. A cell where the run refuses the model in that variant, or its step fails, holds the
 reason instead of a length. gpt-oss's attention sinks run on a GPU in FlashAttention 4, which has no
 stand-in: its rows hold FlashAttention 2's buffers (``longalign.simulate.kernel_stand_in``). Gemma 3's
-published config is the multimodal class, which longalign does not refuse but the simulation cannot yet
-build on fake tensors (its cells hold the error).
+published config is the multimodal class; the simulation builds its text model (its ``text_config`` as a
+``gemma3_text`` model, what a text-only fine-tune trains), without the vision tower's weights.
 """
 
 from __future__ import annotations

@@ -38,7 +38,10 @@ A model of L > 2 decoder layers is counted with 1 and with 2 of them and each pa
 adds exactly what each further one adds (its weights, gradients, optimizer states, and the input
 checkpointing keeps of it), while the peak stays in the last layer's backward and the loss; measured
 equal, part by part, to counting all 8 layers of an 8-layer model (checkpointing alone, tiled MLP, +
-offload). ``full_depth=True`` counts every layer.
+offload). Where the first F layers are built unlike the rest (the dense layers before the experts of
+GLM-4.5 and DeepSeek-V3, ``first_k_dense_replace``), it is counted with F + 1 and F + 2 layers instead,
+so that the layer the line adds is one of the rest; equal, part by part, to counting every layer of a
+4-layer model of GLM-4.5's shape (``tests/test_simulate.py``). ``full_depth=True`` counts every layer.
 
 The same step counts its FLOPs as it runs (``flops.StepFlops``): matrix products by torch's
 ``FlopCounterMode``, attention by the FlashAttention stand-in from each call's shapes and samples; the
@@ -126,7 +129,7 @@ class Setup:
     seed: int = 0
     full_depth: bool = False  # count every layer instead of extrapolating from counted_layers
     every_tile: bool = False  # run every tile of a tiled MLP or layer, not the distinct ones alone
-    counted_layers: int = 2  # a deeper model is counted with this many layers and one fewer
+    counted_layers: int = 2  # a deeper model is counted with this many of its repeated layers and one fewer
     sample_tokens: int | None = None  # packs of samples this long (the last one cut), not a synthetic mix
     throughput: Throughput | None = None  # the GPU and efficiency the step's time is for
     run_tokens: RunTokens | None = None  # the whole run's tokens, for its GPU-hours
@@ -384,25 +387,23 @@ def kernel_stand_in(kernel: str, values: _Values, flops: StepFlops | None = None
 
 def simulated_config(cfg, layers: int | None = None):
     """``cfg`` building its model from the model's config alone (``init_from_config``, overrides applied),
-    with ``layers`` decoder layers if given, and without the engine settings the simulation does not run."""
-    from longalign.run import model_config, model_dtype
+    with ``layers`` decoder layers if given, and without the engine settings the simulation does not run.
 
-    try:
-        config = model_config(cfg)
-        dtype = model_dtype(cfg)
-    except Exception as err:  # a Hub id not in the cache, a config transformers cannot read
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise SimulationError(
-            f"model {cfg.model.model_name_or_path}: its config cannot be read here ({first})"
-        ) from None
+    A multimodal model's text model stands in for it (:func:`text_model_note`): its text config (Gemma 3's
+    ``text_config``, a ``gemma3_text`` model) builds the causal language model that a text-only fine-tune
+    trains."""
+    config, dtype = _read_config(cfg)
+    text = config.get_text_config()
     settings = {
         key: value
-        for key, value in config.to_dict().items()
+        for key, value in text.to_dict().items()
         if key not in ("architectures", "transformers_version", "_name_or_path", "torch_dtype", "dtype")
         and not key.startswith("_")
     }
-    if layers is not None:
-        _settings_layers(settings, config, layers)
+    if layers is not None:  # each per-layer list (gpt-oss's and Gemma 3's layer_types) held to the count
+        settings["num_hidden_layers"] = layers
+        if isinstance(settings.get("layer_types"), list):
+            settings["layer_types"] = settings["layer_types"][:layers]
     model = dataclasses.replace(cfg.model, config_overrides={}, torch_dtype=str(dtype).removeprefix("torch."))
     # Set after the dataclass's checks, which hold a user's init_from_config to its class's fields: these are
     # the checkpoint's own settings as transformers read them, keys its class does not declare included (the
@@ -414,17 +415,51 @@ def simulated_config(cfg, layers: int | None = None):
     return dataclasses.replace(cfg, model=model, training=training, eval_tasks=None)
 
 
-def _settings_layers(settings: dict[str, Any], config, layers: int) -> None:
-    """``layers`` decoder layers in ``settings`` (``config.to_dict()``'s): in the text config's own dict for a
-    multimodal config (Gemma 3's ``text_config``), and each per-layer list (``layer_types``: gpt-oss's
-    alternating sliding and full attention, Gemma 3's five sliding layers to one full) cut to its first
-    ``layers`` entries, which transformers holds to the layer count."""
+def _read_config(cfg):
+    """The model's transformers config and dtype, or the reason they cannot be read, in one line."""
+    from longalign.run import model_config, model_dtype
+
+    try:
+        return model_config(cfg), model_dtype(cfg)
+    except Exception as err:  # a Hub id not in the cache, a config transformers cannot read
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise SimulationError(
+            f"model {cfg.model.model_name_or_path}: its config cannot be read here ({first})"
+        ) from None
+
+
+def text_model_note(cfg) -> str | None:
+    """What the simulation builds instead of a multimodal model, in one line; ``None`` for a text model."""
+    config, _ = _read_config(cfg)
     text = config.get_text_config()
-    key = next((name for name, value in vars(config).items() if value is text), None)
-    target = settings if text is config or key is None else settings[key]
-    target["num_hidden_layers"] = layers
-    if isinstance(target.get("layer_types"), list):
-        target["layer_types"] = target["layer_types"][:layers]
+    if text is config:
+        return None
+    return (
+        f"the {config.model_type} model is simulated as its text model: its text config as a "
+        f"{text.model_type} model, what a text-only fine-tune trains; the weights outside it (a vision "
+        "tower, its projector) are not counted"
+    )
+
+
+def _first_repeated_layer(config) -> int:
+    """The first decoder layer from which every layer is built alike (the same modules, the same parameter
+    shapes): 0 for most models, ``first_k_dense_replace`` for GLM-4.5 and DeepSeek-V3, whose first layers
+    have a dense MLP where the rest have experts. Read off the model built on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    kinds = [
+        (
+            [(name, type(module).__name__) for name, module in layer.named_modules()],
+            [(name, p.shape, p.dtype) for name, p in layer.named_parameters()],
+        )
+        for layer in _decoder_layers(model)
+    ]
+    first = len(kinds) - 1
+    while first > 0 and kinds[first - 1] == kinds[-1]:
+        first -= 1
+    return first
 
 
 def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -677,10 +712,10 @@ def simulate_lengths(cfg, lengths: list[int], setup: Setup) -> list[dict[str, An
     from longalign.run import model_config, parameter_sizes
 
     kernel = kernel_for(cfg, setup.kernel)
-    config = model_config(simulated_config(cfg))
-    text = config.get_text_config()
+    text = model_config(simulated_config(cfg))  # the text model's config
     depth = text.num_hidden_layers
-    counted_layers = depth if setup.full_depth or depth <= setup.counted_layers else setup.counted_layers
+    counted_layers = depth if setup.full_depth else _first_repeated_layer(text) + setup.counted_layers
+    counted_layers = min(counted_layers, depth)
     split = cfg.training.sequence_parallel_size
     if setup.gpus % split:
         raise ConfigError(
@@ -1097,6 +1132,9 @@ def run_simulation(
         f"simulated step of {source}: {setup.gpus} GPU(s), {engine}{offloaded}, sequence parallel "
         f"{cfg.training.sequence_parallel_size}, attention {KERNELS[kernel]}; per GPU, nothing computed"
     )
+    note = text_model_note(cfg)
+    if note:
+        say(note)
     start = time.perf_counter()
     rows = simulate_lengths(cfg, lengths, setup)
     say(format_simulation(rows, setup))

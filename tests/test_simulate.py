@@ -12,13 +12,17 @@ from conftest import DEMO, ROOT, counted_real_steps, needs_deepspeed, run_proces
 
 from longalign.config import load_config
 from longalign.probe import parse_size
+from longalign.run import model_config
 from longalign.simulate import (
     Setup,
     SimulationError,
+    _first_repeated_layer,
     _kernel_buffers,
     format_simulation,
     kernel_for,
     simulate_lengths,
+    simulated_config,
+    text_model_note,
 )
 
 LENGTHS = [512, 1024, 2048]
@@ -96,6 +100,58 @@ def test_running_only_the_distinct_tiles_counts_what_running_every_tile_counts(m
     assert distinct == every
     assert distinct["executed_matmul_flops"] > 0 and distinct["executed_attention_flops"] > 0
     assert ran_distinct * 7 == ran_every * 3
+
+
+# GLM-4.5's shape, small: a dense first layer (first_k_dense_replace), routed and shared experts in the rest,
+# their activations larger than the loss's; bf16, as grouped_mm takes it.
+GLM45_SHAPED = [
+    "model.init_from_config={model_type='glm4_moe', vocab_size=256, hidden_size=64, intermediate_size=64, "
+    "moe_intermediate_size=256, n_routed_experts=8, num_experts_per_tok=4, n_shared_experts=1, "
+    "first_k_dense_replace=1, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2}",
+    "model.torch_dtype='bfloat16'",
+    "loss.chunk_size=256",
+]
+
+
+def test_layers_unlike_the_rest_are_counted_and_the_rest_extrapolated():
+    """4 layers of GLM-4.5's shape, the first dense: counted with 2 and 3 layers and extrapolated to 4,
+    every part equal to counting all 4 (through the dense layer alone, the line multiplied the difference
+    between the two kinds of layer)."""
+    cfg = load_config(DEMO, [*CHECKPOINTING, *GLM45_SHAPED])
+    assert _first_repeated_layer(model_config(simulated_config(cfg))) == 1
+    rows = [simulate_lengths(cfg, [1024], Setup(full_depth=full))[0] for full in (False, True)]
+    extrapolated, counted = ({k: v for k, v in row.items() if k != "seconds"} for row in rows)
+    assert extrapolated == counted
+
+
+def test_a_multimodal_model_is_simulated_as_its_text_model():
+    """Gemma 3's multimodal config: the step of its text config's gemma3_text model, byte for byte, said
+    in one line."""
+    text = (
+        "{model_type='gemma3_text', vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, "
+        "num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=64}"
+    )
+    vision = (
+        "{model_type='siglip_vision_model', hidden_size=32, intermediate_size=64, num_hidden_layers=1, "
+        "num_attention_heads=2, image_size=28, patch_size=14}"
+    )
+    multimodal = load_config(
+        DEMO,
+        [
+            *CHECKPOINTING,
+            f"model.init_from_config={{model_type='gemma3', text_config={text}, vision_config={vision}, "
+            "mm_tokens_per_image=4}",
+        ],
+    )
+    text_only = load_config(DEMO, [*CHECKPOINTING, f"model.init_from_config={text}"])
+    assert text_model_note(multimodal) == (
+        "the gemma3 model is simulated as its text model: its text config as a gemma3_text model, what a "
+        "text-only fine-tune trains; the weights outside it (a vision tower, its projector) are not counted"
+    )
+    assert text_model_note(text_only) is None
+    rows = [simulate_lengths(cfg, [1024], Setup())[0] for cfg in (multimodal, text_only)]
+    simulated, text_model = ({k: v for k, v in row.items() if k != "seconds"} for row in rows)
+    assert simulated == text_model
 
 
 def test_the_kernel_stand_ins_allocate_what_the_kernels_sources_allocate():
