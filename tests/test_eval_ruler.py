@@ -493,7 +493,7 @@ def test_a_partial_run_has_no_average_and_says_why_and_a_complete_one_has_rulers
         "confidence intervals)",
     ]
     assert summary["indicative"] and summary["samples_per_task"] == 1
-    assert summary["ci95_by_task_length"]["vt"]["1000"] == (9.5, 90.5)  # 1 of 2: Wilson's 95% interval
+    assert summary["ci95_by_task_length"]["vt"]["1000"] == [9.5, 90.5]  # 1 of 2: Wilson's 95% interval
     assert (summary["n"], summary["failed"]) == (5, 1)
     assert ruler.summary_csv(summary).splitlines() == [
         "task,length,score", "vt,1000,50", "vt,2000,50", "cwe,1000,90", "cwe,2000,0",
@@ -515,7 +515,7 @@ def test_a_partial_run_has_no_average_and_says_why_and_a_complete_one_has_rulers
     assert complete["effective_length"] == 4096 and complete["partial_average_by_length"] is None
     assert ruler.summary(every, inputs=published, threshold=90.0)["effective_length"] == 131072
     assert ruler.summary_csv(complete).splitlines()[-6:-4] == ["average,4096,100", "average,8192,92.3077"]
-    assert complete["ci95_by_task_length"]["vt"]["8192"] == (0.0, 3.7)
+    assert complete["ci95_by_task_length"]["vt"]["8192"] == [0.0, 3.7]
     pairs = [{**r, "cwe_words": "adjective-noun pairs"} if r["task"] == "cwe" and r["length"] == 131072 else r for r in every]  # fmt: skip
     assert ruler.summary(pairs, inputs=published)["not_comparable_because"] == [
         "cwe at 131072: adjective-noun pairs past wonderwords' words, not RULER's english_words.json "

@@ -547,14 +547,6 @@ def _run_needle(args: argparse.Namespace) -> int:
 
 # --- ruler -------------------------------------------------------------------------------------------------
 
-PROMPT_PATHS = {  # how a run's prompts reach the model, as the summary labels it
-    "local": "local model: chat template applied here, answer prefix in the assistant's turn",
-    "completions": "served, /v1/completions: chat template applied here, answer prefix in the assistant's turn "
-    "(RULER's path for open models)",
-    "chat": "served, /v1/chat/completions: the server's chat template, answer prefix ending the user's message "
-    "(RULER's path for API models)",
-}
-
 
 def _run_ruler(args: argparse.Namespace) -> int:
     from longalign.eval import ruler
@@ -570,7 +562,7 @@ def _run_ruler(args: argparse.Namespace) -> int:
     threshold = ruler.THRESHOLD if args.threshold is None else args.threshold
     files = (args.haystack, args.squad, args.hotpot, args.english_words)
     chat = args.backend == "openai" and args.served_endpoint == "chat"
-    path = PROMPT_PATHS["chat" if chat else "completions" if args.backend == "openai" else "local"]
+    path = ruler.PROMPT_PATHS["chat" if chat else "completions" if args.backend == "openai" else "local"]
     _check_output(args, inputs=_local_inputs(args, *files))
     new_tokens = {task: args.max_new_tokens or ruler.TASKS[task].new_tokens for task in tasks}
     session = Session(

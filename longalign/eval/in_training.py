@@ -148,7 +148,11 @@ class RulerTask:
             Path(self.settings.haystack) if self.settings.haystack else None,
             hotpot=Path(self.settings.hotpot) if self.settings.hotpot else None,
         )
-        summary = {**ruler.summary(rows, threshold=self.threshold, inputs=inputs), "score": "logprob"}
+        summary = {
+            **ruler.summary(rows, threshold=self.threshold, inputs=inputs),
+            "prompt_path": ruler.PROMPT_PATHS["local"],
+            "score": "logprob",
+        }
         # the tasks that can be teacher-forced are never RULER's 13: their average, a signal for training
         _, average = ruler.averages(summary)
         averages = [v for v in average.values() if v is not None]

@@ -77,6 +77,14 @@ HOTPOT_SHA256 = frozenset(
     {"4e9ecb5c8d3b719f624d66b60f8d56bf227f03914f5f0753d6fa1b359d7104ea"}
 )  # distractor dev
 
+PROMPT_PATHS = {  # how a run's prompts reach the model, as the summary labels it
+    "local": "local model: chat template applied here, answer prefix in the assistant's turn",
+    "completions": "served, /v1/completions: chat template applied here, answer prefix in the assistant's turn "
+    "(RULER's path for open models)",
+    "chat": "served, /v1/chat/completions: the server's chat template, answer prefix ending the user's message "
+    "(RULER's path for API models)",
+}
+
 
 @dataclass(frozen=True)
 class Task:
@@ -994,20 +1002,20 @@ def effective_length(average_by_length: dict[int, float | None], threshold: floa
     return found
 
 
-def confidence_interval(scores: Sequence[float], z: float = 1.96) -> tuple[float, float] | None:
+def confidence_interval(scores: Sequence[float], z: float = 1.96) -> list[float] | None:
     """The 95% interval of a mean score (0-100) over ``len(scores)`` samples: Wilson's score interval of the
     mean as a proportion. Partial scores (a share of the references) vary less than 0-or-100 ones, so for
     them it is wider than needed, never narrower.
 
     >>> confidence_interval([100.0] * 20)
-    (83.9, 100.0)
+    [83.9, 100.0]
     """
     if not scores:
         return None
     n, p = len(scores), sum(scores) / len(scores) / 100
     centre, half = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
     low, high = (centre - half) / (1 + z * z / n), (centre + half) / (1 + z * z / n)
-    return round(100 * max(low, 0.0), 1), round(100 * min(high, 1.0), 1)
+    return [round(100 * max(low, 0.0), 1), round(100 * min(high, 1.0), 1)]
 
 
 def missing_for_comparison(
