@@ -191,7 +191,7 @@ def _ruler_arguments(parser: argparse.ArgumentParser) -> None:
         "--english-words",
         type=Path,
         help="cwe: RULER's english_words.json (a Git LFS file of its repository), the words it draws past "
-        "wonderwords' lists (from about 64k tokens; without it adjective-noun pairs, not comparable)",
+        "wonderwords' lists, at the longest lengths (without it adjective-noun pairs there, not comparable)",
     )
     parser.add_argument(
         "--served-endpoint",
