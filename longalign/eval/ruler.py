@@ -18,7 +18,7 @@ length, by RULER's rule::
 
     cases = build_instances(tokenizer, tasks=["niah_single_1", "vt"], lengths=[4096, 8192],
                             samples_per_task=20, seed=0)
-    cases[0].units, len(cases[0].prompt.input_ids) + cases[0].new_tokens   -> (169, 4092)
+    cases[0].units, len(cases[0].prompt.input_ids) + cases[0].new_tokens   -> (98, 4063)   # shipped tokenizer
     replies = generator.generate([case.prompt for case in cases])
     rows = [generation_row(case, reply) for case, reply in zip(cases, replies)]
     summary(rows)  -> {'by_task_length': {'niah_single_1': {'4096': 100.0, ...}, ...}, 'comparable': False,
