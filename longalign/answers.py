@@ -56,6 +56,7 @@ from longalign.serving import (
     Completion,
     ServerError,
     ServerSettings,
+    endpoint,
     in_parallel,
 )
 
@@ -541,7 +542,7 @@ class StoredCalls:
             file_id = self.client.upload_batch(upload)
         finally:
             upload.unlink(missing_ok=True)
-        batch_id = self.client.submit_batch(file_id)
+        batch_id = self.client.submit_batch(file_id, endpoint=endpoint(next(iter(pending.values()))))
         self.store.put_batch(batch_id, server=server, model=self.settings.model, requests=len(pending))
         self.batch.submitted += 1
         self.batch.requests += len(pending)

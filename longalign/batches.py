@@ -24,13 +24,13 @@ from tqdm import tqdm
 
 from longalign.errors import InputError
 from longalign.serving import (
-    CHAT_ENDPOINT,
     DETAIL_CHARS,
     BatchStatus,
     CallFailure,
     ChatClient,
     Completion,
     completion_from_json,
+    endpoint,
 )
 
 
@@ -39,7 +39,7 @@ def batch_input(bodies: dict[str, dict[str, Any]]) -> str:
     lines = []
     for key, body in bodies.items():
         wire = {k: v for k, v in body.items() if k != "extra_body"} | body.get("extra_body", {})
-        line = {"custom_id": key, "method": "POST", "url": CHAT_ENDPOINT, "body": wire}
+        line = {"custom_id": key, "method": "POST", "url": endpoint(body), "body": wire}
         lines.append(json.dumps(line, ensure_ascii=False) + "\n")
     return "".join(lines)
 

@@ -57,6 +57,9 @@ BACKOFF_CAP = 30.0  # the longest wait of our own; a server's Retry-After is hon
 NO_KEY = "EMPTY"  # sent when the key's variable is unset: a local server without a key accepts any
 DETAIL_CHARS = 300  # how much of a server's error message goes into ours
 CHAT_ENDPOINT = "/v1/chat/completions"  # what a batch's lines ask for
+COMPLETIONS_ENDPOINT = (
+    "/v1/completions"  # a raw prompt, the template applied by the client (a body with "prompt")
+)
 Item = TypeVar("Item")
 
 
@@ -188,8 +191,14 @@ def chat_request(
     return body
 
 
+def endpoint(body: dict[str, Any]) -> str:
+    """Where a request body goes: ``/v1/completions`` for a raw ``prompt``, else ``/v1/chat/completions``."""
+    return COMPLETIONS_ENDPOINT if "prompt" in body else CHAT_ENDPOINT
+
+
 def completion_from_json(payload: dict[str, Any]) -> Completion:
-    """The ``Completion`` in a chat-completion response body (online, or one line of a batch's results).
+    """The ``Completion`` in a chat-completion (or completion: its ``text``) response body, online or one line
+    of a batch's results.
 
     completion_from_json({"choices": [{"message": {"content": "4"}, "finish_reason": "stop"}],
                           "usage": {"prompt_tokens": 14, "completion_tokens": 1}})
@@ -198,7 +207,7 @@ def completion_from_json(payload: dict[str, Any]) -> Completion:
     choice = payload["choices"][0]
     usage = payload.get("usage") or {}
     return Completion(
-        text=(choice.get("message") or {}).get("content") or "",
+        text=choice["text"] if "text" in choice else (choice.get("message") or {}).get("content") or "",
         finish_reason=choice.get("finish_reason"),
         prompt_tokens=usage.get("prompt_tokens"),
         completion_tokens=usage.get("completion_tokens"),
@@ -327,9 +336,16 @@ class ChatClient:
         with self._lock:
             return self._stats
 
-    def request(self, messages: Sequence[dict[str, Any]], **sampling: Any) -> dict[str, Any]:
-        """The body ``complete(messages, **sampling)`` sends: ``chat_request`` with this client's model."""
-        return chat_request(self.settings.model, messages, **sampling)
+    def request(
+        self, messages: Sequence[dict[str, Any]] | None = None, *, prompt: str | None = None, **sampling: Any
+    ) -> dict[str, Any]:
+        """The body ``complete(messages, **sampling)`` sends: ``chat_request`` with this client's model; with
+        ``prompt`` instead of ``messages``, a raw completion request (``/v1/completions``) of that text."""
+        if prompt is None:
+            return chat_request(self.settings.model, messages, **sampling)
+        body = chat_request(self.settings.model, [], **sampling)
+        del body["messages"]
+        return {"model": body.pop("model"), "prompt": prompt, **body}
 
     def complete(
         self,
@@ -357,7 +373,8 @@ class ChatClient:
         while True:
             try:
                 with self._window.slot():
-                    response = client.chat.completions.create(**body)
+                    create = client.completions.create if "prompt" in body else client.chat.completions.create
+                    response = create(**body)
             except self._openai.APIStatusError as err:
                 if err.status_code == 400:  # this request's fault: asking again gets the same answer
                     self._count(failed=1)
@@ -417,10 +434,11 @@ class ChatClient:
             -> [Completion(...), CallFailure(...), Completion(...)]     # len(chats) results, one per request
 
         A ``ServerError`` from any request stops the rest (requests not yet sent are dropped) and is raised.
-        ``progress`` titles a progress bar on stderr; without it nothing is shown.
+        ``progress`` titles a progress bar on stderr; without it nothing is shown. A request with ``prompt``
+        in place of ``messages`` is a raw completion (``request``).
         """
         return in_parallel(
-            lambda request: self.complete(**request),
+            lambda request: self.send(self.request(**request)),
             requests,
             workers=self.settings.concurrency,
             progress=progress,
@@ -434,14 +452,13 @@ class ChatClient:
                 "POST /v1/files", lambda: client.files.create(file=(path.name, f), purpose="batch")
             ).id
 
-    def submit_batch(self, file_id: str) -> str:
-        """Start a batch of chat completions over an uploaded input file (``POST /v1/batches``); its id."""
+    def submit_batch(self, file_id: str, *, endpoint: str = CHAT_ENDPOINT) -> str:
+        """Start a batch of chat completions (or of ``endpoint``'s requests) over an uploaded input file
+        (``POST /v1/batches``); its id."""
         client = self._connected()
         batch = self._api(
             "POST /v1/batches",
-            lambda: client.batches.create(
-                input_file_id=file_id, endpoint=CHAT_ENDPOINT, completion_window="24h"
-            ),
+            lambda: client.batches.create(input_file_id=file_id, endpoint=endpoint, completion_window="24h"),
         )
         return batch.id
 

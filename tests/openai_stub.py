@@ -10,7 +10,8 @@
         server.batches           # the ids of the batches submitted, in order
         server.batch_requests    # the bodies of every line of every batch run
 
-It serves ``POST /v1/chat/completions``, ``GET /v1/models`` and the batch API (``POST /v1/files``, ``POST
+It serves ``POST /v1/chat/completions``, ``POST /v1/completions`` (a raw ``prompt``; answered by the same
+rules, its reply in ``choices[0].text``), ``GET /v1/models`` and the batch API (``POST /v1/files``, ``POST
 /v1/batches``, ``GET /v1/batches/{id}``, ``GET /v1/files/{id}/content``; same key) on a free port from a
 background thread, and stops when the ``with`` block ends. Each chat request is answered by the first rule
 that applies:
@@ -49,7 +50,9 @@ from typing import Any
 
 
 def echo(body: dict[str, Any]) -> str:
-    """The default reply: ``"echo: "`` and the last user message's text."""
+    """The default reply: ``"echo: "`` and the last user message's text (a raw completion request: its prompt)."""
+    if "prompt" in body:
+        return f"echo: {body['prompt']}"
     last_user = [m for m in body["messages"] if m.get("role") == "user"][-1]
     return f"echo: {last_user['content']}"
 
@@ -161,19 +164,27 @@ class OpenAIStub:
         limit = body.get("max_tokens")
         cut = self.cut_to_max_tokens and limit is not None and len(words) > limit
         text = " ".join(words[:limit]) if cut else reply
-        prompt_words = sum(len(str(m.get("content", "")).split()) for m in body["messages"])
+        if "prompt" in body:
+            prompt_words = len(body["prompt"].split())
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": "length" if cut else "stop",
+            }
+        else:
+            prompt_words = sum(len(str(m.get("content", "")).split()) for m in body["messages"])
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": "length" if cut else "stop",
+            }
         return {
             "id": id_,
-            "object": "chat.completion",
+            "object": "text_completion" if "prompt" in body else "chat.completion",
             "created": 0,
             "model": self.model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "finish_reason": "length" if cut else "stop",
-                }
-            ],
+            "choices": [choice],
             "usage": {
                 "prompt_tokens": prompt_words,
                 "completion_tokens": len(text.split()),
@@ -306,7 +317,7 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         stub = self.server.stub
         raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        if self.path == "/v1/chat/completions":
+        if self.path in ("/v1/chat/completions", "/v1/completions"):
             self._send(*stub.answer(json.loads(raw), self.headers.get("Authorization")))
         elif refused := stub.refusal(self.headers.get("Authorization")):
             self._send(*refused)

@@ -26,6 +26,8 @@ def test_a_batch_input_line_per_request_keyed_by_custom_id_with_server_fields_in
             "top_k": 20,
         },
     }
+    (line,) = batch_input({"k2": {"model": "m", "prompt": "raw text", "max_tokens": 4}}).splitlines()
+    assert json.loads(line)["url"] == "/v1/completions"  # a raw prompt: the completions endpoint
 
 
 def completion_body(text: str) -> dict:

@@ -58,7 +58,7 @@ from openai_stub import OpenAIStub
 # Appended to a command to keep it small, by what it runs (docs_commands.program).
 TRAIN_CUT = ["training.max_steps=2"]
 NEEDLE_CUT = ["--lengths", "500", "--depths", "50", "--samples-per-cell", "1", "--max-new-tokens", "8"]
-RULER_CUT = ["--lengths", "1k", "--samples-per-task", "1", "--max-new-tokens", "8"]
+RULER_CUT = ["--lengths", "2k", "--samples-per-task", "1", "--max-new-tokens", "8"]
 PROBE_CUT = ["--lengths", "1k"]
 PLAN_CUT = ["--lengths", "1k,2k"]  # a probe's --plan fits its memory per token between two measured lengths
 CUTS = {

@@ -58,8 +58,8 @@ COMMAND_GRID = ["--lengths", "110,300", "--depths", "0,50,100", "--samples-per-c
 RUN_TASKS = {
     "needle": (GRID, COMMAND_GRID),
     "ruler": (
-        {"tasks": ["niah_single_1", "fwe"], "lengths": [300], "samples_per_task": 2},
-        ["--tasks", "niah_single_1,fwe", "--lengths", "300", "--samples-per-task", "2"],
+        {"tasks": ["niah_single_1", "fwe"], "lengths": [600], "samples_per_task": 2},
+        ["--tasks", "niah_single_1,fwe", "--lengths", "600", "--samples-per-task", "2"],
     ),
 }
 
@@ -149,7 +149,7 @@ def test_prompts_that_do_not_fit_name_the_key(tokenizer):
         build_tasks(
             EvalTasksConfig(needle={"every_steps": 1, "lengths": [20]}), tokenizer, context_limit=None
         )
-    with pytest.raises(ConfigError, match="eval_tasks.ruler.lengths 300: too short for niah_multikey_1"):
+    with pytest.raises(ConfigError, match="eval_tasks.ruler.lengths 300: too short for niah_single_1"):
         build_tasks(
             EvalTasksConfig(ruler={"every_steps": 1, "lengths": [300]}), tokenizer, context_limit=None
         )

@@ -120,6 +120,27 @@ def test_request_fields_and_usage_tokens_summed():
     ]
 
 
+def test_a_raw_prompt_goes_to_the_completions_endpoint_with_the_same_rules():
+    """``prompt`` instead of ``messages``: ``/v1/completions`` (the client applied the template), retried as a chat."""
+    with OpenAIStub(key=KEY, fail_every=2) as server:
+        client = client_for(server)
+        body = client.request(prompt="<s>[INST] hi [/INST] Answer:", max_tokens=8, seed=0)
+        results = client.complete_many(
+            [
+                {"prompt": "<s>[INST] hi [/INST] Answer:", "max_tokens": 8, "seed": 0},
+                {"messages": user("a b")},
+            ]
+        )
+        bodies = server.requests
+    assert body == {"model": "stub-model", "prompt": "<s>[INST] hi [/INST] Answer:", "temperature": 0.0,
+                    "seed": 0, "max_tokens": 8}  # fmt: skip
+    assert results[0] == Completion("echo: <s>[INST] hi [/INST] Answer:", "stop", 4, 5)
+    assert results[1].text == "echo: a b" and client.stats.retried == 1
+    assert sum("prompt" in b for b in bodies) in (1, 2) and all(
+        ("prompt" in b) != ("messages" in b) for b in bodies
+    )
+
+
 def test_extra_arguments_reach_the_server():
     with OpenAIStub(key=KEY) as server:
         client_for(server).complete(user("hi"), seed=3, stop=["\n"], extra_body={"top_k": 20})

@@ -188,6 +188,20 @@ def _ruler_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--squad", type=Path, help="qa_squad: SQuAD's JSON (e.g. dev-v2.0.json)")
     parser.add_argument(
+        "--english-words",
+        type=Path,
+        help="cwe: RULER's english_words.json (a Git LFS file of its repository), the words it draws past "
+        "wonderwords' lists, at the longest lengths (without it adjective-noun pairs there, not comparable)",
+    )
+    parser.add_argument(
+        "--served-endpoint",
+        choices=("completions", "chat"),
+        default="completions",
+        help="--backend openai: completions (default): /v1/completions with the chat template applied here and "
+        "the answer prefix in the assistant's turn (RULER's path for open models, served by vLLM); chat: "
+        "/v1/chat/completions with the prefix ending the user's message (RULER's path for API models)",
+    )
+    parser.add_argument(
         "--hotpot", type=Path, help="qa_hotpot: HotpotQA's JSON (e.g. hotpot_dev_distractor_v1.json)"
     )
     parser.add_argument(
@@ -289,9 +303,12 @@ class Session:
         self._calls[role] = StoredCalls(self._store, ChatClient(settings), self.answers)
         return self._calls[role]
 
-    def generator(self, lengths: Sequence[int], new_tokens: Sequence[int] | None = None) -> Generator:
+    def generator(
+        self, lengths: Sequence[int], new_tokens: Sequence[int] | None = None, *, endpoint: str = "chat"
+    ) -> Generator:
         """The local or served generator, after checking that the prompts fit the local model with the tokens
-        each may generate (``new_tokens``, one per prompt; else ``--max-new-tokens``)."""
+        each may generate (``new_tokens``, one per prompt; else ``--max-new-tokens``); a served one asks
+        ``endpoint`` (``ServedGenerator``)."""
         from longalign.eval.models import LocalGenerator, ServedGenerator, check_fits, context_limit
 
         if self.settings is not None:
@@ -300,6 +317,7 @@ class Session:
                 max_new_tokens=self.max_new_tokens,
                 temperature=self.args.temperature,
                 seed=self.args.seed,
+                endpoint=endpoint,
             )
         model = self.load_model()
         check_fits(
@@ -542,13 +560,15 @@ def _run_ruler(args: argparse.Namespace) -> int:
     hotpot = ruler.read_hotpot(args.hotpot) if args.hotpot else None
     tasks = ruler.select_tasks(args.tasks, squad=squad, hotpot=hotpot, logprob=logprob)
     threshold = ruler.THRESHOLD if args.threshold is None else args.threshold
-    files = (args.haystack, args.squad, args.hotpot)
+    files = (args.haystack, args.squad, args.hotpot, args.english_words)
+    chat = args.backend == "openai" and args.served_endpoint == "chat"
+    path = ruler.PROMPT_PATHS["chat" if chat else "completions" if args.backend == "openai" else "local"]
     _check_output(args, inputs=_local_inputs(args, *files))
     new_tokens = {task: args.max_new_tokens or ruler.TASKS[task].new_tokens for task in tasks}
     session = Session(
         args,
         default_new_tokens=max(new_tokens.values()),
-        needs_tokenizer="it builds prompts of exact token lengths",
+        needs_tokenizer="it sizes the prompts in tokens and renders the chat template, as RULER does",
     )
     cases = ruler.build_instances(
         session.tokenizer,
@@ -559,15 +579,20 @@ def _run_ruler(args: argparse.Namespace) -> int:
         haystack=args.haystack,
         squad=squad,
         hotpot=hotpot,
+        english_words=args.english_words,
         new_tokens=new_tokens,
         # a chat server writes the generation prompt itself: RULER ends the user's message with the prefix
-        prefix_in="assistant" if args.backend == "transformers" else "user",
+        prefix_in="user" if chat else "assistant",
     )
     started = time.perf_counter()
     if logprob:
         rows = _teacher_forced(session, cases, row=ruler.logprob_row, progress="ruler (rows)")
     else:
-        generator = session.generator([len(c.prompt.input_ids) for c in cases], [c.new_tokens for c in cases])
+        generator = session.generator(
+            [len(c.prompt.input_ids) for c in cases],
+            [c.new_tokens for c in cases],
+            endpoint="chat" if chat else "completions",
+        )
 
         def work(mine):
             replies = [None] * len(mine)
@@ -587,9 +612,10 @@ def _run_ruler(args: argparse.Namespace) -> int:
     if rows is None:
         return 0
     seconds = time.perf_counter() - started
-    essays = ruler.is_essays_file(args.haystack)
+    inputs = ruler.reference_inputs(args.haystack, args.squad, args.hotpot, args.english_words)
     summary = {
-        **ruler.summary(rows, threshold=threshold, essays=essays),
+        **ruler.summary(rows, threshold=threshold, inputs=inputs),
+        "prompt_path": path,
         "score": args.score,
         "seconds": round(seconds, 3),
     }
@@ -599,7 +625,7 @@ def _run_ruler(args: argparse.Namespace) -> int:
         "tasks": tasks,
         "threshold": threshold,
         "new_tokens": new_tokens,
-        "answer_prefix_in": "assistant turn" if args.backend == "transformers" else "user message",
+        "prompt_path": path,
         "qa_skipped": {name: data.skipped for name, data in (("squad", squad), ("hotpot", hotpot)) if data},
     }
     title = f"{args.model or args.served_model} ({args.score})"
@@ -733,8 +759,10 @@ TASKS = {
         "summary.json, summary.csv and ruler.png (tasks x lengths, with the average).\n\n"
         "    longalign eval ruler --model out/run --lengths 4k,8k,16k,32k --samples-per-task 50 --output out/eval/ruler\n"
         "    longalign eval ruler --model out/run --lengths 4k,8k --score logprob --output out/eval/ruler-lp\n\n"
-        "Every prompt is built in token ids and is exactly --lengths tokens, chat template and the task's answer\n"
-        "prefix included (served prompts end at the generation prompt). A reply scores the share of the\n"
+        "Every prompt is RULER's: its text, the chat template around it, the answer prefix in the assistant's\n"
+        "turn, sized as RULER sizes it (prompt + generation budget at most each of --lengths, in whole units of\n"
+        "the haystack). Served models get it raw at /v1/completions (--served-endpoint chat: a chat with the\n"
+        "prefix ending the user's message, RULER's path for API models). A reply scores the share of the\n"
         "references it contains x 100 (QA: 100 if it contains any). The effective length is the longest length\n"
         "up to which the average over the tasks stays at or above --threshold. Nothing is downloaded.",
         _ruler_arguments,

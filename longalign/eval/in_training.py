@@ -144,8 +144,15 @@ class RulerTask:
 
     def results(self, scores: Sequence[AnswerScore]) -> TaskResults:
         rows = [ruler.logprob_row(c, s, self.tokenizer) for c, s in zip(self.cases, scores, strict=True)]
-        essays = ruler.is_essays_file(Path(self.settings.haystack) if self.settings.haystack else None)
-        summary = {**ruler.summary(rows, threshold=self.threshold, essays=essays), "score": "logprob"}
+        inputs = ruler.reference_inputs(
+            Path(self.settings.haystack) if self.settings.haystack else None,
+            hotpot=Path(self.settings.hotpot) if self.settings.hotpot else None,
+        )
+        summary = {
+            **ruler.summary(rows, threshold=self.threshold, inputs=inputs),
+            "prompt_path": ruler.PROMPT_PATHS["local"],
+            "score": "logprob",
+        }
         # the tasks that can be teacher-forced are never RULER's 13: their average, a signal for training
         _, average = ruler.averages(summary)
         averages = [v for v in average.values() if v is not None]

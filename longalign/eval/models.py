@@ -41,6 +41,7 @@ class Prompt:
 
     input_ids: list[int] | None  # chat template applied, generation prompt included; None: text only
     messages: list[dict[str, str]]  # [{"role": "user", "content": ...}] for an OpenAI-compatible server
+    text: str | None = None  # the rendered chat as text, for a raw completion request (/v1/completions)
 
 
 @dataclass(frozen=True)
@@ -339,7 +340,10 @@ class LocalGenerator:
 
 
 class ServedGenerator:
-    """Replies from an OpenAI-compatible server: ``Prompt.messages`` sent ``concurrency`` at a time.
+    """Replies from an OpenAI-compatible server: ``Prompt.messages`` sent ``concurrency`` at a time
+    (``endpoint="chat"``), or ``Prompt.text``, the chat rendered here, as a raw completion request
+    (``endpoint="completions"``, ``/v1/completions``: the server adds nothing but its tokenizer's own
+    special tokens).
 
     ``client`` is a ``ChatClient`` or the ``StoredCalls`` over one (answers kept in the output, asked once).
     A request that fails after its retries (a 5xx that lasts, a prompt the server refuses as too long)
@@ -353,23 +357,25 @@ class ServedGenerator:
         max_new_tokens: int = 128,
         temperature: float = 0.0,
         seed: int = 0,
+        endpoint: str = "chat",
     ) -> None:
+        if endpoint not in ("chat", "completions"):
+            raise ValueError(f"endpoint: expected 'chat' or 'completions', got {endpoint!r}")
         self.client = client
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.seed = seed
+        self.endpoint = endpoint
 
     def generate(self, prompts: Sequence[Prompt], *, progress: str | None = None) -> list[Reply]:
         """One reply per prompt, in the prompts' order."""
-        requests = [
-            {
-                "messages": p.messages,
-                "max_tokens": self.max_new_tokens,
-                "temperature": self.temperature,
-                "seed": self.seed,
-            }
-            for p in prompts
-        ]
+        sampling = {"max_tokens": self.max_new_tokens, "temperature": self.temperature, "seed": self.seed}
+        if self.endpoint == "completions":
+            if any(p.text is None for p in prompts):
+                raise ValueError("endpoint 'completions': every prompt needs its rendered text (Prompt.text)")
+            requests = [{"prompt": p.text, **sampling} for p in prompts]
+        else:
+            requests = [{"messages": p.messages, **sampling} for p in prompts]
         return [
             Reply("", error=r.error) if isinstance(r, CallFailure) else Reply(r.text)
             for r in self.client.complete_many(requests, progress=progress)
