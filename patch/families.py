@@ -244,21 +244,30 @@ def decide_model(model: nn.Module, *, backend: str = "auto") -> Decision:
 def tiling_problem(model: nn.Module, features: Features | None = None) -> str | None:
     """Why ``longalign.patch.tile_layers`` cannot tile ``model``'s decoder layers; None when it can.
 
-    The tiled layer runs the layer's own forward over tiles of tokens around one call of the attention
-    function on the whole sequence, so every part of a layer but that call must treat each token alone:
-    norms, projections, RoPE, MLPs and token-routed experts do; a recurrence or a convolution over the
-    tokens does not::
+    The tiled layer runs the layer's own forward over tiles of tokens around one call on the whole
+    sequence: the attention function, or in a linear-attention layer its token mixer (Qwen3-Next's gated
+    delta net: projections, short convolution and recurrence, run whole). Every other part of a layer must
+    treat each token alone: norms, projections, RoPE, MLPs and token-routed experts do; a recurrence or a
+    convolution outside one token mixer does not::
 
         Qwen3MoeForCausalLM  ->  None
-        Qwen3NextForCausalLM ->  "3 of its layers mix tokens by linear attention or a convolution, ..."
+        Qwen3NextForCausalLM ->  None (its linear-attention layers' gated delta nets run whole)
+        Lfm2ForCausalLM      ->  "3 of its layers mix tokens by a convolution or a recurrence outside ..."
     """
     features = features if features is not None else read_features(model)
     if getattr(model.config.get_text_config(), "altup_num_inputs", None):
         return "its layers carry a stack of hidden states per token (AltUp), not one"
-    if features.linear_attention_layers:
+    layers = _layers(model)
+    mixers = {id(module) for module in linear_attention_layers(model)}
+    loose = [
+        index
+        for index in features.linear_attention_layers
+        if sum(id(module) in mixers for module in layers[index].modules()) != 1
+    ]
+    if loose:
         return (
-            f"{len(features.linear_attention_layers)} of its layers mix tokens by linear attention or a "
-            "convolution, which the tiled layer does not run whole between its tiles"
+            f"{len(loose)} of its layers mix tokens by a convolution or a recurrence outside one linear-attention "
+            "module, which the tiled layer cannot run whole between its tiles"
         )
     return None
 

@@ -20,9 +20,12 @@ A decoder layer is token-wise everywhere but in its attention call. For one micr
 
 Per-token arguments are cut to the tile (position_ids, RoPE's cos and sin, Gemma 4's per-layer inputs,
 a per-position scale); the attention mask and the varlen ``cu_seq_lens``/``max_length`` stay whole, for
-the attention call. Which families fit is :func:`longalign.patch.families.tiling_problem`'s (linear
-attention and AltUp's stacked hidden states are refused when the model loads); a layer that calls
-attention twice is refused at its first step.
+the attention call. In a linear-attention layer the call run whole is its token mixer's (the module
+``longalign.patch.linear_attention`` restarts per sample: projections, short convolution, recurrence) on
+the normed hidden states ``[B, T, H]``, in place of the attention function's on q, k, v. Which families fit
+is :func:`longalign.patch.families.tiling_problem`'s (AltUp's stacked hidden states, and token mixing
+outside one such module, are refused when the model loads); a layer that calls attention twice is refused
+at its first step.
 
 The layer is one autograd function that keeps its input alone (as activation checkpointing keeps it, so
 ``offload_checkpointed_inputs`` moves it to host memory; with ``keep_attention`` also the attention
@@ -86,6 +89,7 @@ from longalign import attention
 from longalign.errors import ModelError
 
 from .families import tiling_problem
+from .linear_attention import linear_attention_layers
 from .tiled_mlp import _autocast_state, _cast, _rng_state, _tiles, tile_count
 
 _TILED_CLASSES: dict[type, type] = {}  # a layer class -> its tiled subclass
@@ -226,6 +230,12 @@ class _LayerCall:
             for value in _flat([*args, *(v for k, v in kwargs.items() if k not in _WHOLE_ARGUMENTS)])
             if isinstance(value, torch.Tensor) and value.requires_grad and self.token_dim(value) is not None
         ]
+        # A linear-attention layer's token mixer (Qwen3-Next's gated delta net): its call runs whole, as the
+        # attention function's does in an attention layer
+        mixers = linear_attention_layers(layer)
+        self.mixer: nn.Module | None = mixers[0] if mixers else None
+        # The tokens' dimension of the call's inputs: [B, t, H] (a mixer's) or [B, heads, t, D] (q, k, v)
+        self.input_dim = 1 if self.mixer is not None else -2
         self.attention: dict[str, Any] = {}  # the module, function and arguments of the attention call
         self.recorded_keys: list[str] = []  # the model's recorded outputs (router logits) to collect
         self.recorded_names: list[str] = []  # the key of each recorded output of the layer, in order
@@ -292,10 +302,16 @@ class _LayerCall:
 
             return captured
 
+        def mixer(*args: Any, **kwargs: Any) -> Any:
+            hidden = args[0] if args else kwargs.pop("hidden_states")
+            found.append((hidden,))
+            self.attention.update(module=self.mixer, function=None, args=args[1:], kwargs=kwargs)
+            raise _Stop
+
         args, kwargs = self.tile_arguments(start, stop)
         handle = torch.nn.modules.module.register_module_forward_hook(hook)
         try:
-            with _attention_calls(attention), _recording(None):
+            with _attention_calls(attention), _recording(None), _replaced(self.mixer, mixer):
                 self.layer.untiled.forward(self.layer, x, *args, **kwargs)
         except _Stop:
             pass
@@ -317,6 +333,8 @@ class _LayerCall:
         leaves and zeros standing in for the attention output, and walking the autograd graph of the
         result back to them; the other outputs only lead to the call's inputs, so the second pass needs no
         values of them. Run once per layer, on one token: its cost is nil."""
+        if not children:  # nothing of the call's module ran before it (a token mixer called whole)
+            return frozenset()
         tokens = slice(0, 1)
 
         def first_token(out: torch.Tensor) -> torch.Tensor:
@@ -395,10 +413,14 @@ class _LayerCall:
 
         self.layer.tiling_valueless_before = _valueless_linears(self.layer, run)
 
-    def kernel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """The attention call on the whole ``q, k, v [B, heads, T, D]`` -> ``[B, T, heads, D]``."""
+    def kernel(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """The attention call on the whole ``q, k, v [B, heads, T, D]`` -> ``[B, T, heads, D]``; a token
+        mixer's on the whole hidden states ``[B, T, H]`` -> ``[B, T, H']``."""
         call = self.attention
         kwargs = {name: self.whole(value) for name, value in call["kwargs"].items()}
+        if self.mixer is not None:
+            return self.mixer(*inputs, *self.whole(call["args"]), **kwargs)
+        q, k, v = inputs
         kwargs["per_kv_head"] = True  # longalign's varlen attention: backward buffers one group at a time
         args = self.whole(call["args"])
         return call["function"](call["module"], q, k, v, *args, **kwargs)[0]
@@ -412,21 +434,29 @@ class _LayerCall:
 
         calls = []
 
+        def once(function: Any) -> None:
+            calls.append(function)
+            if len(calls) > 1:
+                raise ModelError(
+                    f"training.sequence_tiling = 'layer': longalign cannot tile {type(self.layer).__name__}: "
+                    "it calls the attention function more than once (the tiled layer runs one call on the "
+                    "whole sequence between its tiles)"
+                )
+
         def attention(function: Callable) -> Callable:
             def handed_back(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
-                calls.append(function)
-                if len(calls) > 1:
-                    raise ModelError(
-                        f"training.sequence_tiling = 'layer': longalign cannot tile {type(self.layer).__name__}: "
-                        "it calls the attention function more than once (the tiled layer runs one call on the "
-                        "whole sequence between its tiles)"
-                    )
+                once(function)
                 return attended, None
 
             return handed_back
 
+        def mixer(*args: Any, **kwargs: Any) -> torch.Tensor:
+            once(self.mixer)
+            return attended
+
         recorded: dict[str, list] = {key: [] for key in self.recorded_keys}
-        with _attention_calls(attention), _recording(recorded), _handing_back(cached):
+        replaced = _replaced(self.mixer, mixer)
+        with _attention_calls(attention), _recording(recorded), _handing_back(cached), replaced:
             out = self.layer.untiled.forward(self.layer, x, *args, **kwargs)
         if not isinstance(out, torch.Tensor):
             raise ModelError(
@@ -697,6 +727,23 @@ def _reads_values(node: Any) -> bool:
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in saved)
 
 
+@contextlib.contextmanager
+def _replaced(module: nn.Module | None, forward: Callable) -> Iterator[None]:
+    """Within the block, ``module`` (if any) runs ``forward`` instead of its own."""
+    if module is None:
+        yield
+        return
+    own = module.__dict__.get("forward")
+    module.forward = forward
+    try:
+        yield
+    finally:
+        if own is None:
+            del module.forward
+        else:
+            module.forward = own
+
+
 def _itself(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
@@ -815,7 +862,7 @@ def _first_pass(
                     )
                 read = call.layer.tiling_read_children
                 names = {id(child): name for name, child in call.attention["module"].named_children()}
-                qkv = [_buffer(t, -2, call.length) for t in tile_qkv]
+                qkv = [_buffer(t, call.input_dim, call.length) for t in tile_qkv]
                 wholes = [
                     _buffer(out, 1, call.length)
                     if names[id(module)] in read and tuple(out.shape[:2]) == (call.batch, stop - start)
@@ -824,7 +871,7 @@ def _first_pass(
                 ]
                 kept = [names[id(module)] in read for module, _ in children]
             for whole, tile in zip(qkv, tile_qkv, strict=True):
-                whole[..., start:stop, :] = tile
+                whole.narrow(call.input_dim, start, stop - start).copy_(tile)
             cached[index] = []
             for (module, out), whole, keep in zip(children, wholes, kept, strict=True):
                 if whole is not None:
@@ -996,7 +1043,7 @@ class _TiledLayer(torch.autograd.Function):
                 with torch.enable_grad(), _valueless(call.layer, call.valueless_before):
                     tile_qkv, children = call.before(leaves[0], start, stop)
                 pairs = [
-                    (t, g[..., start:stop, :])
+                    (t, g.narrow(call.input_dim, start, stop - start))
                     for t, g in zip(tile_qkv, grad_qkv, strict=True)
                     if g is not None
                 ]

@@ -286,6 +286,7 @@ def test_every_exact_family_s_tiled_layer_is_the_untiled_one_or_refused_in_one_l
     assert all("\n" not in tiled and "longalign cannot tile" in tiled for tiled in refused)
     named = ["llama", "qwen3_moe", "glm4_moe", "gpt_oss", "gemma3_text", "gemma4_text", "deepseek_v3", "phi3"]
     named += ["olmo2", "smollm3", "ministral", "granite", "cohere2", "exaone4", "seed_oss", "llama4_text"]
+    named += ["qwen3_next", "qwen3_5_text", "kimi_linear"]  # linear attention: the token mixer runs whole
     assert {name: exact[name].split(":")[0] for name in named} == dict.fromkeys(named, "exact")
 
 
@@ -416,13 +417,14 @@ def test_one_sgd_step_of_the_run_equals_the_family_s_own_model_on_each_sample_al
 
 
 # Sequence tiling under activation checkpointing with its inputs offloaded, by layer: a dense family, a
-# mixture of experts with its router loss, sandwich norms, attention sinks (with a sliding window); by MLP:
-# the mixture of experts, its routers trained through the tiles.
+# mixture of experts with its router loss, sandwich norms, attention sinks (with a sliding window), linear
+# attention (its token mixer run whole); by MLP: the mixture of experts, its routers trained through the tiles.
 TILED_STEPS = [
     ("layer", "llama"),
     ("layer", "qwen3_moe"),
     ("layer", "gemma3_text"),
     ("layer", "gpt_oss"),
+    ("layer", "qwen3_next"),
     ("mlp", "qwen3_moe"),
 ]
 

@@ -293,25 +293,26 @@ def test_generation_with_a_kv_cache_runs_the_layer_s_own_forward():
 
 
 def test_a_layer_it_cannot_tile_is_refused_in_one_line_by_the_decision_and_at_load():
-    """Linear attention's recurrence runs over the tokens: the decision refuses it before any data, and
-    ``tile_layers`` with the same reason."""
+    """AltUp carries a stack of hidden states per token: the decision refuses it before any data, and
+    ``tile_layers`` with the same reason. Linear-attention layers tile, their token mixer run whole."""
     from conftest import DEMO
 
     from longalign.config import load_config
     from longalign.run import check_family
 
-    config = tiny_config("qwen3_next")
+    config = tiny_config("gemma3n_text")
     reason = families.decide(config).layer_tiling
-    assert reason is not None and "mix tokens by linear attention" in reason
+    assert reason is not None and "stack of hidden states per token (AltUp)" in reason
     run = load_config(DEMO, ["training.sequence_tiling=layer"])
     with pytest.raises(
         longalign.patch.UnsupportedModelError,
-        match="sequence_tiling = 'layer' cannot tile Qwen3NextForCausalLM",
+        match="sequence_tiling = 'layer' cannot tile Gemma3nForCausalLM",
     ):
         check_family(run, config)  # the dry run's and the training run's check, before any data
     assert check_family(run, tiny_config("llama")).layer_tiling is None
+    assert check_family(run, tiny_config("qwen3_next")).layer_tiling is None
     with pytest.raises(
-        ModelError, match="longalign cannot tile Qwen3NextDecoderLayer: 3 of its layers mix"
+        ModelError, match="longalign cannot tile Gemma3nTextDecoderLayer: its layers carry"
     ) as err:
         longalign.patch.tile_layers(build_family(config))
     assert reason in str(err.value) and "\n" not in str(err.value)
