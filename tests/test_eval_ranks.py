@@ -22,10 +22,10 @@ def test_one_process_works_on_everything_in_order():
 def test_two_ranks_give_the_same_results_as_one_process(tmp_path):
     """The needle grid, then RULER, on two ranks of one launch: each rank works on its share, rank 0 alone
     reports and writes, and the results are one process's, in its order."""
-    save_tiny_model(tmp_path / "model", max_position_embeddings=1024)
+    save_tiny_model(tmp_path / "model", max_position_embeddings=2048)
     model = ["--model", str(tmp_path / "model")]
     needle = [*model, "--lengths", "150,300", "--depths", "0,100", "--max-new-tokens", "4"]
-    ruler = [*model, "--lengths", "1000", "--samples-per-task", "2", "--tasks", "niah_single_1,vt,fwe"]
+    ruler = [*model, "--lengths", "1200", "--samples-per-task", "2", "--tasks", "niah_single_1,vt,fwe"]
     assert main(["eval", "needle", *needle, "--output", str(tmp_path / "one" / "needle")]) == 0
     assert main(["eval", "ruler", *ruler, "--output", str(tmp_path / "one" / "ruler")]) == 0
     done = launch(
