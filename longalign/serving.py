@@ -57,9 +57,8 @@ BACKOFF_CAP = 30.0  # the longest wait of our own; a server's Retry-After is hon
 NO_KEY = "EMPTY"  # sent when the key's variable is unset: a local server without a key accepts any
 DETAIL_CHARS = 300  # how much of a server's error message goes into ours
 CHAT_ENDPOINT = "/v1/chat/completions"  # what a batch's lines ask for
-COMPLETIONS_ENDPOINT = (
-    "/v1/completions"  # a raw prompt, the template applied by the client (a body with "prompt")
-)
+# A raw prompt, the chat template applied by the client (a body with "prompt")
+COMPLETIONS_ENDPOINT = "/v1/completions"
 Item = TypeVar("Item")
 
 
