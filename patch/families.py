@@ -37,6 +37,7 @@ holds every causal-LM family of the installed transformers to its decision: exac
 
 from __future__ import annotations
 
+import copy
 import inspect
 import re
 from collections.abc import Mapping
@@ -269,7 +270,69 @@ def tiling_problem(model: nn.Module, features: Features | None = None) -> str | 
             f"{len(loose)} of its layers mix tokens by a convolution or a recurrence outside one linear-attention "
             "module, which the tiled layer cannot run whole between its tiles"
         )
+    calls = attention_calls_per_layer(model)
+    if calls is not None and calls > 1:
+        return (
+            f"its layers call the attention function {calls} times (the tiled layer runs one call on the whole "
+            "sequence between its tiles)"
+        )
     return None
+
+
+def attention_calls_per_layer(model: nn.Module) -> int | None:
+    """How many times the first decoder layer of each layer type calls the attention function, at most; None
+    when it cannot be told. Read off a model on the meta device (the decision's, no memory, no data): a copy
+    of the layer in bfloat16 (a mixture of experts' grouped products take nothing else) runs on 4 meta
+    tokens, every attention call counted and answered with zeros. DiffLlama calls it twice in one module,
+    LongCat-Flash has two attention modules a layer; a linear-attention layer calls it none."""
+    from .interface import attention_calls
+
+    layers = _layers(model)
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if not layers or embedding is None or embedding.weight.device.type != "meta":
+        return None  # a model with weights: what the decision before it read from its config holds
+    text = model.config.get_text_config()
+    kinds = list(getattr(text, "layer_types", None) or [])
+    firsts = {kinds[i] if i < len(kinds) else None: i for i in reversed(range(len(layers)))}
+    count = [0]
+
+    def counted(function: Any) -> Any:
+        def call(
+            module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args, **kwargs
+        ):
+            count[0] += 1
+            shape = (query.shape[0], query.shape[2], query.shape[1], value.shape[-1])
+            return query.new_zeros(shape), None
+
+        return call
+
+    most = 0
+    for kind, index in firsts.items():
+        try:
+            layer = copy.deepcopy(layers[index]).to(torch.bfloat16)
+            for module in layer.modules():  # experts as grouped products: the others read routes' values
+                if getattr(getattr(module, "config", None), "_experts_implementation", None) is not None:
+                    module.config._experts_implementation = "grouped_mm"
+            hidden = torch.zeros(1, 4, text.hidden_size, device="meta", dtype=torch.bfloat16)
+            positions = torch.arange(4, device="meta")[None]
+            arguments: dict[str, Any] = {"attention_mask": None, "position_ids": positions}
+            rotary = (
+                getattr(model.get_decoder(), "rotary_emb", None) if hasattr(model, "get_decoder") else None
+            )
+            if rotary is not None:
+                typed = "layer_type" in inspect.signature(rotary.forward).parameters
+                arguments["position_embeddings"] = (
+                    rotary(hidden, positions, kind or "full_attention")
+                    if typed
+                    else rotary(hidden, positions)
+                )
+            count[0] = 0
+            with torch.no_grad(), attention_calls(counted):
+                layer(hidden, **arguments)
+        except Exception:  # noqa: BLE001 - a layer that cannot run on meta tensors: not told here
+            return None
+        most = max(most, count[0])
+    return most
 
 
 def read_features(model: nn.Module) -> Features:

@@ -15,7 +15,9 @@ starts a sample, and so does every break in the count), costing one device sync 
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -214,3 +216,39 @@ def _sinks_of_this_rank(sinks: torch.Tensor, heads: int) -> torch.Tensor:
 
     rank = torch.distributed.get_rank(parallel_state_sp.get_sequence_parallel_group())
     return sinks[rank * heads : (rank + 1) * heads]
+
+
+class _WrappedFunctions(dict):
+    """A mapping of attention functions by name that hands each out wrapped. (A class of its own, not one
+    made per call: a class is cyclic garbage, which would keep the tensors the wrapper refers to alive until
+    the garbage collector runs.)"""
+
+    def __init__(self, local: dict, shared: dict, wrap: Callable[[Callable], Callable]) -> None:
+        super().__init__()
+        self.local, self.shared, self.wrap = local, shared, wrap
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.local or key in self.shared
+
+    def __getitem__(self, key: str) -> Callable:
+        return self.wrap(self.local[key] if key in self.local else self.shared[key])
+
+
+@contextlib.contextmanager
+def attention_calls(wrap: Callable[[Callable], Callable]) -> Iterator[None]:
+    """Every attention function a module looks up in transformers' ``ALL_ATTENTION_FUNCTIONS`` (by
+    ``get_interface`` or by name) is handed out as ``wrap(function)`` (the tiled layer stops at the call or
+    hands back its output; the family decision counts the calls)."""
+    interface = ALL_ATTENTION_FUNCTIONS
+    local = interface._local_mapping
+
+    def get_interface(name: str, default: Callable) -> Callable:
+        return wrap(local.get(name, interface._global_mapping.get(name, default)))
+
+    interface._local_mapping = _WrappedFunctions(local, interface._global_mapping, wrap)
+    interface.get_interface = get_interface
+    try:
+        yield
+    finally:
+        interface._local_mapping = local
+        del interface.get_interface

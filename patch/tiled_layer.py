@@ -23,9 +23,10 @@ a per-position scale); the attention mask and the varlen ``cu_seq_lens``/``max_l
 the attention call. In a linear-attention layer the call run whole is its token mixer's (the module
 ``longalign.patch.linear_attention`` restarts per sample: projections, short convolution, recurrence) on
 the normed hidden states ``[B, T, H]``, in place of the attention function's on q, k, v. Which families fit
-is :func:`longalign.patch.families.tiling_problem`'s (AltUp's stacked hidden states, and token mixing
-outside one such module, are refused when the model loads); a layer that calls attention twice is refused
-at its first step.
+is :func:`longalign.patch.families.tiling_problem`'s (AltUp's stacked hidden states, token mixing outside
+one such module, and a layer that calls attention twice, counted on the meta device, are refused before
+any data and when the model loads); a layer that cannot run there and calls attention twice is refused at
+its first step.
 
 The layer is one autograd function that keeps its input alone (as activation checkpointing keeps it, so
 ``offload_checkpointed_inputs`` moves it to host memory; with ``keep_attention`` also the attention
@@ -82,13 +83,13 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from transformers.integrations import is_deepspeed_zero3_enabled
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import output_capturing
 
 from longalign import attention
 from longalign.errors import ModelError
 
-from .families import tiling_problem
+from .families import decide, tiling_problem
+from .interface import attention_calls
 from .linear_attention import linear_attention_layers
 from .tiled_mlp import _autocast_state, _cast, _rng_state, _tiles, tile_count
 
@@ -114,6 +115,10 @@ def tile_layers(model: nn.Module, *, tile_tokens: int = 0, keep_attention: bool 
     if not layers:
         raise ModelError(f"training.sequence_tiling: {type(model).__name__} has no decoder layers to tile")
     problem = tiling_problem(model)
+    if problem is None and hasattr(model, "config"):
+        # what a meta-device copy of its layers shows when they run (attention called twice), as decided
+        # before any data from the config alone
+        problem = decide(model.config).layer_tiling
     if problem is not None:
         raise ModelError(
             f"training.sequence_tiling = 'layer': longalign cannot tile {type(layers[0]).__name__}: {problem} "
@@ -311,7 +316,7 @@ class _LayerCall:
         args, kwargs = self.tile_arguments(start, stop)
         handle = torch.nn.modules.module.register_module_forward_hook(hook)
         try:
-            with _attention_calls(attention), _recording(None), _replaced(self.mixer, mixer):
+            with attention_calls(attention), _recording(None), _replaced(self.mixer, mixer):
                 self.layer.untiled.forward(self.layer, x, *args, **kwargs)
         except _Stop:
             pass
@@ -456,7 +461,7 @@ class _LayerCall:
 
         recorded: dict[str, list] = {key: [] for key in self.recorded_keys}
         replaced = _replaced(self.mixer, mixer)
-        with _attention_calls(attention), _recording(recorded), _handing_back(cached), replaced:
+        with attention_calls(attention), _recording(recorded), _handing_back(cached), replaced:
             out = self.layer.untiled.forward(self.layer, x, *args, **kwargs)
         if not isinstance(out, torch.Tensor):
             raise ModelError(
@@ -506,41 +511,6 @@ def _flat(values: Any) -> list:
 
 def _is_float(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.is_floating_point()
-
-
-class _WrappedFunctions(dict):
-    """A mapping of attention functions by name that hands each out wrapped. (A class of its own, not one
-    made per call: a class is cyclic garbage, which would keep the tiles' tensors the wrapper refers to
-    alive until the garbage collector runs.)"""
-
-    def __init__(self, local: dict, shared: dict, wrap: Callable[[Callable], Callable]) -> None:
-        super().__init__()
-        self.local, self.shared, self.wrap = local, shared, wrap
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.local or key in self.shared
-
-    def __getitem__(self, key: str) -> Callable:
-        return self.wrap(self.local[key] if key in self.local else self.shared[key])
-
-
-@contextlib.contextmanager
-def _attention_calls(wrap: Callable[[Callable], Callable]) -> Iterator[None]:
-    """Every attention function a module looks up in transformers' ``ALL_ATTENTION_FUNCTIONS`` (by
-    ``get_interface`` or by name) is handed out as ``wrap(function)``."""
-    interface = ALL_ATTENTION_FUNCTIONS
-    local = interface._local_mapping
-
-    def get_interface(name: str, default: Callable) -> Callable:
-        return wrap(local.get(name, interface._global_mapping.get(name, default)))
-
-    interface._local_mapping = _WrappedFunctions(local, interface._global_mapping, wrap)
-    interface.get_interface = get_interface
-    try:
-        yield
-    finally:
-        interface._local_mapping = local
-        del interface.get_interface
 
 
 @contextlib.contextmanager

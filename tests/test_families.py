@@ -288,6 +288,9 @@ def test_every_exact_family_s_tiled_layer_is_the_untiled_one_or_refused_in_one_l
     named += ["olmo2", "smollm3", "ministral", "granite", "cohere2", "exaone4", "seed_oss", "llama4_text"]
     named += ["qwen3_next", "qwen3_5_text", "kimi_linear"]  # linear attention: the token mixer runs whole
     assert {name: exact[name].split(":")[0] for name in named} == dict.fromkeys(named, "exact")
+    # attention called twice a layer, counted on the meta device: refused before any data
+    for name in ("diffllama", "longcat_flash"):
+        assert exact[name].startswith("refused: ") and "call the attention function 2 times" in exact[name]
 
 
 def table() -> str:
