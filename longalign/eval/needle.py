@@ -104,10 +104,10 @@ def split_sentences(text: str) -> list[str]:
     return [" ".join(part.split()) for part in _SENTENCE_END.split(text) if part.strip()]
 
 
-def read_haystack(source: Path) -> list[str]:
-    """The sentences of a ``.txt`` file, of every ``.txt`` file in a directory (sorted by name), or of the
-    ``text`` of a ``.json`` file (``{"text": "..."}``, as RULER's essay download writes
-    ``PaulGrahamEssays.json``)."""
+def haystack_texts(source: Path) -> list[str]:
+    """The texts of a haystack source: a ``.txt`` file's, every ``.txt`` file's of a directory (sorted by
+    name), or the ``text`` of a ``.json`` file (``{"text": "..."}``, as RULER's essay download writes
+    ``PaulGrahamEssays.json``). One bad source is one line naming it."""
     if source.suffix == ".json" and source.is_file():
         try:
             data = json.loads(source.read_text(encoding="utf-8"))
@@ -117,19 +117,24 @@ def read_haystack(source: Path) -> list[str]:
             raise InputError(
                 f'{source}: expected {{"text": "..."}} (RULER\'s PaulGrahamEssays.json), no "text" string'
             )
-        sentences = split_sentences(data["text"])
-        if not sentences:
-            raise InputError(f"{source}: the haystack text is empty")
-        return sentences
-    if source.is_dir():
+        texts = [data["text"]]
+    elif source.is_dir():
         files = sorted(source.glob("*.txt"))
         if not files:
             raise PathError(f"{source}: no .txt files in this directory")
+        texts = [path.read_text(encoding="utf-8") for path in files]
     elif source.is_file():
-        files = [source]
+        texts = [source.read_text(encoding="utf-8")]
     else:
         raise PathError(f"{source}: no haystack file or directory there")
-    sentences = [s for path in files for s in split_sentences(path.read_text(encoding="utf-8"))]
+    if not any(text.strip() for text in texts):
+        raise InputError(f"{source}: the haystack text is empty")
+    return texts
+
+
+def read_haystack(source: Path) -> list[str]:
+    """The sentences of a haystack source (:func:`haystack_texts`), each file's split on its own."""
+    sentences = [s for text in haystack_texts(source) for s in split_sentences(text)]
     if not sentences:
         raise InputError(f"{source}: the haystack text is empty")
     return sentences

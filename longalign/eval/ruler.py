@@ -250,28 +250,7 @@ def read_essays(source: Path | None, *, seed: int = 0) -> str:
     None, the needle's generated filler sentences."""
     if source is None:
         return " ".join(nd.filler_sentences(random.Random(f"haystack:{seed}"), nd.FILLER_SENTENCES))
-    if source.suffix == ".json" and source.is_file():
-        try:
-            data = json.loads(source.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise InputError(f"{source}: not a JSON file ({err})") from None
-        if not isinstance(data, dict) or not isinstance(data.get("text"), str):
-            raise InputError(
-                f'{source}: expected {{"text": "..."}} (RULER\'s PaulGrahamEssays.json), no "text" string'
-            )
-        text = data["text"]
-    elif source.is_dir():
-        files = sorted(source.glob("*.txt"))
-        if not files:
-            raise PathError(f"{source}: no .txt files in this directory")
-        text = "\n".join(path.read_text(encoding="utf-8") for path in files)
-    elif source.is_file():
-        text = source.read_text(encoding="utf-8")
-    else:
-        raise PathError(f"{source}: no haystack file or directory there")
-    if not text.strip():
-        raise InputError(f"{source}: the haystack text is empty")
-    return text
+    return "\n".join(nd.haystack_texts(source))
 
 
 @dataclass(frozen=True)
