@@ -586,18 +586,11 @@ class _ValuelessProduct(torch.autograd.Function):
 def _valueless(layer: nn.Module, names: frozenset | None) -> Iterator[None]:
     """Within the block, the linear modules ``names`` of ``layer`` compute no product in forward
     (:class:`_ValuelessProduct`)."""
-    modules = [layer.get_submodule(name) for name in sorted(names or ())]
-    own = [module.__dict__.get("forward") for module in modules]
-    for module in modules:
-        module.forward = functools.partial(_valueless_forward, module)
-    try:
+    with contextlib.ExitStack() as stack:
+        for name in sorted(names or ()):
+            module = layer.get_submodule(name)
+            stack.enter_context(_replaced(module, functools.partial(_valueless_forward, module)))
         yield
-    finally:
-        for module, forward in zip(modules, own, strict=True):
-            if forward is None:
-                del module.forward
-            else:
-                module.forward = forward
 
 
 def _valueless_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
